@@ -1,0 +1,1 @@
+"""ovdflash export stage: target and DFlash drafter to OpenVINO IR (needs torch)."""

@@ -1,0 +1,1 @@
+"""Model fetching and the shipped drafter checkpoints."""

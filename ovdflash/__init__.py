@@ -1,0 +1,13 @@
+"""ovdflash: lossless DFlash speculative decoding on CPUs with OpenVINO.
+
+The runtime package. It imports openvino, numpy and HF tokenizers only, never torch.
+"""
+
+__version__ = "0.1.0"
+
+# Numerics that make outputs of different batch shapes agree exactly (strict lossless tests).
+STRICT_F32 = {
+    "INFERENCE_PRECISION_HINT": "f32",
+    "KV_CACHE_PRECISION": "f32",
+    "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0",
+}

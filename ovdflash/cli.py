@@ -1,0 +1,43 @@
+"""Command line entry point: `ovdflash export|chat|bench|train`.
+
+Each subcommand lives in its own module and is imported only when it runs, so
+`ovdflash chat` never pays for (or needs) the export stage's torch import.
+"""
+import importlib
+
+import click
+
+# subcommand name -> (module, attribute, one-line help)
+_COMMANDS = {
+    "export": ("ovdflash.cmd_export", "export", "Export a target LLM and its DFlash drafter to OpenVINO IR."),
+    "chat": ("ovdflash.chat", "chat", "Chat with a model directory (default: SmolLM2-135M + shipped drafter)."),
+    "bench": ("ovdflash.bench", "bench", "Benchmark DFlash against autoregressive baselines."),
+    "train": ("ovdflash.cmd_train", "train", "Distill a DFlash drafter for a target model."),
+}
+
+
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return list(_COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in _COMMANDS:
+            return None
+        module, attr, _ = _COMMANDS[name]
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except ImportError as exc:  # a subcommand not built yet, or an extra not installed
+            @click.command(name=name, help=_COMMANDS[name][2])
+            def _missing():
+                raise click.ClickException(f"`ovdflash {name}` is unavailable: {exc}")
+            return _missing
+
+
+@click.group(cls=_LazyGroup)
+@click.version_option(package_name="ovdflash")
+def main():
+    """Lossless DFlash speculative decoding on CPUs with OpenVINO."""
+
+
+if __name__ == "__main__":
+    main()
