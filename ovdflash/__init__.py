@@ -11,3 +11,13 @@ STRICT_F32 = {
     "KV_CACHE_PRECISION": "f32",
     "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0",
 }
+
+__all__ = ["DFlashPipeline", "STRICT_F32"]
+
+
+def __getattr__(name):
+    # lazy: `ovdflash export` and the CLI start without loading the runtime
+    if name == "DFlashPipeline":
+        from .pipeline import DFlashPipeline
+        return DFlashPipeline
+    raise AttributeError(f"module 'ovdflash' has no attribute {name!r}")

@@ -1,0 +1,336 @@
+"""Export a (target, drafter) pair into one self-describing model directory.
+
+Contract (docs/DESIGN.md, "Exported model directory"): ``export_pair(target, drafter,
+out_dir, target_weight_format, drafter_weight_format, block_size)`` writes ``target/``
+(stateful IR + locators + config.json, and openvino_tokenizer/detokenizer.xml for
+openvino.genai when openvino-tokenizers can convert the tokenizer), ``drafter/`` (stateful DFlash IR + z-lab
+config.json, and ``draft_vocab.json`` when the drafter checkpoint ships one: the sorted
+target ids it may propose; ``manifest.json["draft_vocab_size"]`` is its length, else null),
+``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja`` (from
+the target) and ``manifest.json``.
+
+The pair is validated from the configs (and the drafter's ``fc`` weight shape) BEFORE any
+conversion: a mismatch raises ``PairMismatchError`` (a ``ValueError``) with a one-line
+message and nothing is written. The directory is assembled in a temporary sibling and
+renamed into place at the end, so a failed export leaves no half-written ``out_dir``.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .compress import WEIGHT_FORMATS
+
+MANIFEST_FORMAT = "ovdflash/1"
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # optional in a drafter checkpoint; copied to DIR/drafter/
+
+
+def _read_draft_vocab(drafter_dir: Path):
+    from ovdflash.graphs import read_draft_vocab  # sorted, unique; raises on a malformed file
+
+    try:
+        return read_draft_vocab(drafter_dir / DRAFT_VOCAB_FILE)
+    except ValueError as exc:
+        raise PairMismatchError(str(exc)) from exc
+
+
+class ExportError(ValueError):
+    """An export input problem the CLI reports as one line (exit code 2)."""
+
+
+class PairMismatchError(ExportError):
+    """Target and drafter do not fit together."""
+
+
+@dataclass
+class PairInfo:
+    target_config: dict
+    drafter_config: object  # DrafterConfig
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+
+
+def _target_config(target: Path) -> dict:
+    from .target import load_target_config
+
+    if target.suffix == ".gguf":
+        if not target.is_file():
+            raise ExportError(f"target GGUF file not found: {target}")
+    elif not (target / "config.json").is_file():
+        raise ExportError(f"target is not a HF model directory (no config.json): {target}")
+    try:
+        return load_target_config(target)
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"cannot read the target config: {exc}") from exc
+
+
+def _drafter_fc_shape(drafter: Path):
+    from safetensors import safe_open
+
+    path = drafter / "model.safetensors"
+    if not path.is_file():
+        raise ExportError(f"drafter has no model.safetensors: {drafter}")
+    with safe_open(str(path), framework="np") as f:
+        if "fc.weight" not in f.keys():
+            raise PairMismatchError("drafter checkpoint has no fc.weight: not a DFlash drafter")
+        return tuple(f.get_slice("fc.weight").get_shape())
+
+
+def validate_pair(target, drafter, block_size: int | None = None) -> PairInfo:
+    """Check that the drafter fits the target; raise PairMismatchError (one line) if not."""
+    from .drafter import DrafterConfig
+    from .target import SUPPORTED_ARCHS
+
+    target, drafter = Path(target), Path(drafter)
+    tcfg = _target_config(target)
+    arch = tcfg.get("model_type")
+    if arch not in SUPPORTED_ARCHS:
+        raise PairMismatchError(f"target architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+    if not (drafter / "config.json").is_file():
+        raise ExportError(f"drafter is not a checkpoint directory (no config.json): {drafter}")
+    try:
+        dcfg = DrafterConfig.from_dict(json.loads((drafter / "config.json").read_text()))
+    except (KeyError, ValueError, TypeError) as exc:
+        raise PairMismatchError(f"drafter config is not a usable DFlash config: {exc}") from exc
+
+    vocab, hidden, layers = int(tcfg["vocab_size"]), int(tcfg["hidden_size"]), int(tcfg["num_hidden_layers"])
+    n = len(dcfg.target_layer_ids)
+    if dcfg.vocab_size != vocab:
+        raise PairMismatchError(f"vocab size mismatch: target has {vocab}, drafter expects {dcfg.vocab_size}")
+    if dcfg.hidden_size != hidden:
+        raise PairMismatchError(f"hidden size mismatch: target has {hidden}, drafter has {dcfg.hidden_size} "
+                                "(the drafter uses the target's embedding and lm_head)")
+    fc_shape = _drafter_fc_shape(drafter)
+    if fc_shape != (dcfg.hidden_size, n * hidden):
+        raise PairMismatchError(f"drafter fc takes {fc_shape[1] if len(fc_shape) == 2 else fc_shape} features, "
+                                f"but {n} target layers x hidden {hidden} = {n * hidden}")
+    bad = [i for i in dcfg.target_layer_ids if not 0 <= i < layers]
+    if bad:
+        raise PairMismatchError(f"target_layer_ids {bad} are outside the target's {layers} layers")
+    if dcfg.num_target_layers and dcfg.num_target_layers != layers:
+        raise PairMismatchError(f"drafter was built for {dcfg.num_target_layers} target layers, target has {layers}")
+    if not 0 <= dcfg.mask_token_id < vocab:
+        raise PairMismatchError(f"mask_token_id {dcfg.mask_token_id} is outside the vocab (size {vocab})")
+    bs = dcfg.block_size if block_size is None else int(block_size)
+    if (Path(drafter) / DRAFT_VOCAB_FILE).is_file():  # optional: the target ids the drafter may propose
+        draft_vocab = _read_draft_vocab(Path(drafter))
+        if draft_vocab[-1] >= vocab:
+            raise PairMismatchError(f"{DRAFT_VOCAB_FILE} has id {int(draft_vocab[-1])} >= the target's "
+                                    f"vocab_size {vocab}")
+    if bs < 2:
+        raise PairMismatchError(f"block size must be at least 2, got {bs}")
+    return PairInfo(tcfg, dcfg, arch, vocab, hidden, layers)
+
+
+def _sha256_files(paths) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths, key=lambda p: p.name):
+        fh = hashlib.sha256()
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                fh.update(chunk)
+        h.update(f"{p.name}:{fh.hexdigest()}\n".encode())
+    return h.hexdigest()
+
+
+def source_sha256(source: Path) -> str:
+    """sha256 over the source's config and weight files (a single digest for a directory)."""
+    if source.is_file():
+        return _sha256_files([source])
+    files = [p for p in source.iterdir() if p.is_file() and (
+        p.name == "config.json" or p.suffix in (".safetensors", ".bin", ".gguf", ".pt", ".pth"))]
+    return _sha256_files(files)
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("ovdflash", "openvino", "torch", "transformers", "optimum-intel", "optimum", "nncf", "tokenizers"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def _token_id(tokenizer_json: dict, token) -> int | None:
+    if token is None:
+        return None
+    if isinstance(token, dict):
+        token = token.get("content")
+    for added in tokenizer_json.get("added_tokens", []):
+        if added["content"] == token:
+            return int(added["id"])
+    return tokenizer_json.get("model", {}).get("vocab", {}).get(token)
+
+
+def copy_tokenizer(src: Path, dst: Path) -> dict:
+    """Copy tokenizer.json, tokenizer_config.json (with chat_template) and chat_template.jinja."""
+    tok_json = src / "tokenizer.json"
+    if not tok_json.is_file():
+        raise ExportError(f"target has no tokenizer.json (a HF fast tokenizer is required): {src}")
+    shutil.copyfile(tok_json, dst / "tokenizer.json")
+    tcfg_path = src / "tokenizer_config.json"
+    tok_cfg = json.loads(tcfg_path.read_text()) if tcfg_path.is_file() else {}
+    template = tok_cfg.get("chat_template")
+    if (src / "chat_template.jinja").is_file():
+        template = (src / "chat_template.jinja").read_text()
+    if isinstance(template, list):  # named templates: keep the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+    if template is None:
+        raise ExportError(f"target tokenizer has no chat template: {src}")
+    tok_cfg["chat_template"] = template
+    (dst / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
+    (dst / "chat_template.jinja").write_text(template)
+    return tok_cfg
+
+
+def write_ov_tokenizer(tokenizer_dir: Path, dst: Path) -> str | None:
+    """openvino_tokenizer.xml / openvino_detokenizer.xml for openvino.genai (its LLMPipeline reads
+    them from the model directory to take text prompts); built from the tokenizer files just
+    written (so a rebuilt GGUF tokenizer is the one converted). Returns why not, or None."""
+    try:
+        import openvino as ov
+        from openvino_tokenizers import convert_tokenizer
+        from transformers import AutoTokenizer
+
+        tok, detok = convert_tokenizer(AutoTokenizer.from_pretrained(str(tokenizer_dir)), with_detokenizer=True)
+        ov.save_model(tok, str(dst / "openvino_tokenizer.xml"))
+        ov.save_model(detok, str(dst / "openvino_detokenizer.xml"))
+        return None
+    except Exception as exc:  # optional: only genai needs it
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+
+
+def _eos_bos(target_dir: Path, tcfg: dict, tok_cfg: dict, tokenizer_json: dict):
+    eos: list[int] = []
+
+    def add(v):
+        for x in (v if isinstance(v, list) else [v]):
+            if x is not None and int(x) not in eos:
+                eos.append(int(x))
+
+    gen_path = target_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    add(_token_id(tokenizer_json, tok_cfg.get("eos_token")))
+    add(gen.get("eos_token_id"))
+    add(tcfg.get("eos_token_id"))
+    bos = gen.get("bos_token_id", tcfg.get("bos_token_id"))
+    if tok_cfg.get("bos_token", "absent") is None or tok_cfg.get("add_bos_token") is False:
+        bos = None  # the tokenizer adds no BOS (SmolLM2, Qwen): the runtime must not prepend one
+    return eos, (int(bos) if bos is not None else None)
+
+
+def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", drafter_weight_format: str = "fp32",
+                block_size: int | None = None, progress: Callable[[str], None] | None = None) -> Path:
+    """Validate, convert, compress and write the model directory; returns out_dir."""
+    target, drafter, out_dir = Path(target), Path(drafter), Path(out_dir)
+    step = progress or (lambda msg: None)
+    for name, fmt in (("target", target_weight_format), ("drafter", drafter_weight_format)):
+        if fmt not in WEIGHT_FORMATS:
+            raise ExportError(f"{name} weight format must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "manifest.json").is_file():
+        raise ExportError(f"output directory exists and is not an ovdflash export: {out_dir}")
+
+    step("validating the pair")
+    info = validate_pair(target, drafter, block_size)
+    dcfg = info.drafter_config
+    bs = dcfg.block_size if block_size is None else int(block_size)
+    draft_vocab = _read_draft_vocab(drafter) if (drafter / DRAFT_VOCAB_FILE).is_file() else None
+
+    import openvino as ov
+
+    from ovdflash.graphs import drafter_for_runtime, read_layer_locators, target_for_runtime
+
+    from .compress import compress_model
+    from .drafter_export import export_drafter
+    from .target import export_target_model, gguf_to_hf_dir, save_target
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        hf_dir = target
+        if target.suffix == ".gguf":
+            step("converting the GGUF target to a HF directory")
+            hf_dir = gguf_to_hf_dir(target, work / "_gguf_hf")
+        step(f"exporting the target ({info.arch}, {info.num_layers} layers) with optimum-intel")
+        t_model, wrapped = export_target_model(hf_dir)
+        if target_weight_format in ("int8", "int4"):
+            step(f"compressing the target weights to {target_weight_format}")
+        t_model = compress_model(t_model, target_weight_format)
+        read_layer_locators(t_model)  # the locators must survive compression
+        save_target(t_model, wrapped, work / "target", compress_to_fp16=target_weight_format == "fp16")
+        del t_model, wrapped
+
+        step(f"exporting the drafter ({dcfg.num_hidden_layers} layers, block {bs})")
+        export_drafter(drafter, work / "drafter", drafter_weight_format, block_size=block_size)
+
+        if draft_vocab is not None:
+            (work / "drafter" / DRAFT_VOCAB_FILE).write_text(json.dumps(draft_vocab.tolist()))
+
+        step("checking the runtime graphs")
+        core = ov.Core()
+        t_ir = core.read_model(str(work / "target" / "openvino_model.xml"))
+        target_for_runtime(t_ir, dcfg.target_layer_ids)
+        drafter_for_runtime(core.read_model(str(work / "drafter" / "openvino_model.xml")), t_ir, draft_vocab)
+        del t_ir
+
+        step("writing the tokenizer and the manifest")
+        tok_cfg = copy_tokenizer(hf_dir, work)
+        tok_json = json.loads((work / "tokenizer.json").read_text())
+        why_not = write_ov_tokenizer(work, work / "target")
+        if why_not:
+            step(f"note: no OpenVINO tokenizer for openvino.genai ({why_not}); ovdflash does not need it")
+        eos, bos = _eos_bos(hf_dir, info.target_config, tok_cfg, tok_json)
+        if not eos:
+            raise ExportError("the target defines no eos token")
+        if dcfg.mask_token_id in eos:
+            raise PairMismatchError(f"mask_token_id {dcfg.mask_token_id} is an eos token of the target")
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "block_size": bs,
+            "target_layer_ids": list(dcfg.target_layer_ids),
+            "mask_token_id": dcfg.mask_token_id,
+            "eos_token_ids": eos,
+            "bos_token_id": bos,
+            "vocab_size": info.vocab_size,
+            "max_position_embeddings": int(info.target_config.get("max_position_embeddings", 0)) or None,
+            "target": {
+                "arch": info.arch, "num_layers": info.num_layers, "hidden_size": info.hidden_size,
+                "weight_format": target_weight_format, "source": str(target.resolve()),
+                "source_sha256": source_sha256(target),
+            },
+            "drafter": {
+                "num_layers": dcfg.num_hidden_layers, "hidden_size": dcfg.hidden_size,
+                "weight_format": drafter_weight_format, "source": str(drafter.resolve()),
+                "source_sha256": source_sha256(drafter),
+            },
+            "draft_vocab_size": None if draft_vocab is None else len(draft_vocab),
+            "versions": _versions(),
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        }
+        (work / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        shutil.rmtree(work / "_gguf_hf", ignore_errors=True)
+
+        if out_dir.exists():
+            shutil.rmtree(out_dir)  # a previous ovdflash export (checked above)
+        work.chmod(0o755)  # mkdtemp makes it private
+        work.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    step("done")
+    return out_dir
+
+
+def load_manifest(model_dir) -> dict:
+    return json.loads((Path(model_dir) / "manifest.json").read_text())

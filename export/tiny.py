@@ -1,0 +1,175 @@
+"""Tiny random models for tests: built in code, no downloads, exported in seconds.
+
+* ``make_tiny_target(arch, out_dir, vocab_size=512, seed=0, **overrides)``: a random HF
+  causal LM (``arch`` in llama / qwen2 / qwen3; hidden 64, 4 layers by default; any config
+  field can be overridden) saved with ``save_pretrained``, plus a byte-level BPE tokenizer
+  trained here on a small built-in corpus, with a ChatML ``chat_template`` and eos
+  ``<|im_end|>``. The tokenizer uses fewer ids than ``vocab_size`` so the top rows of the
+  embedding are free (the last one is the default mask token).
+* ``make_tiny_drafter(target_dir, out_dir, num_layers=1, block_size=4, ...)``: a random
+  z-lab format DFlash drafter matching the target's geometry.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Byte-level BPE needs the 256 byte symbols plus the special tokens.
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS) + 1
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts several tokens and verifies them with the target model in one pass.",
+    "OpenVINO compiles the model for the CPU; the drafter proposes a block of tokens.",
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "What is the capital of France? The capital of France is Paris.",
+    "A user asks a question and the assistant answers it politely and briefly.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 100 1000 3.14159 2.71828",
+    "Lossless means the output equals what the target alone would produce, token for token.",
+    "Hello! How are you today? I am fine, thank you. Let's write some code together.",
+    "The rain in Spain stays mainly in the plain. Emoji: \U0001F600 \u00e9\u00e8\u00e0 \u4f60\u597d",
+]
+
+_ARCH_DEFAULTS = {
+    # tie_word_embeddings as in the real family members we target (SmolLM2, small Qwen2.5 tie; Qwen3-8B does not)
+    "llama": dict(tie_word_embeddings=True, rope_theta=100000.0),
+    "qwen2": dict(tie_word_embeddings=True, rope_theta=1000000.0),
+    "qwen3": dict(tie_word_embeddings=False, rope_theta=1000000.0, head_dim=16),
+}
+
+
+def train_tiny_tokenizer(vocab_size: int):
+    """A byte-level BPE `tokenizers.Tokenizer` with ChatML special tokens and < vocab_size ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < MIN_VOCAB:
+        raise ValueError(f"vocab_size must be >= {MIN_VOCAB} for a byte-level tokenizer, got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    # leave the last rows of the embedding unused: room for a mask token, like real vocabularies
+    bpe_size = max(MIN_VOCAB - 1, min(vocab_size - 8, vocab_size * 7 // 8))
+    trainer = trainers.BpeTrainer(
+        vocab_size=bpe_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    assert tok.get_vocab_size() < vocab_size
+    return tok
+
+
+def save_tiny_tokenizer(out_dir, vocab_size: int):
+    """Write tokenizer.json / tokenizer_config.json / chat_template.jinja; returns the HF tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=train_tiny_tokenizer(vocab_size),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        bos_token=None,
+    )
+    hf_tok.chat_template = CHATML_TEMPLATE
+    hf_tok.save_pretrained(str(out_dir))
+    # transformers 5 writes the template to chat_template.jinja; keep it in tokenizer_config too
+    cfg_path = Path(out_dir) / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.setdefault("chat_template", CHATML_TEMPLATE)
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    (Path(out_dir) / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+    return hf_tok
+
+
+def make_tiny_target(arch: str, out_dir, vocab_size: int = 512, seed: int = 0, **overrides) -> Path:
+    """Build and save a random tiny HF causal LM with its tokenizer; returns out_dir."""
+    import torch
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
+
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }
+    if arch not in classes:
+        raise ValueError(f"arch must be one of {sorted(classes)}, got {arch!r}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_tok = save_tiny_tokenizer(out_dir, vocab_size)
+    eos = hf_tok.convert_tokens_to_ids("<|im_end|>")
+    pad = hf_tok.convert_tokens_to_ids("<|endoftext|>")
+    fields = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        eos_token_id=eos,
+        bos_token_id=None,
+        pad_token_id=pad,
+        attention_dropout=0.0,
+    )
+    fields.update(_ARCH_DEFAULTS[arch])
+    fields.update(overrides)
+    config_cls, model_cls = classes[arch]
+    config = config_cls(**fields)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    # larger-than-default init so logits are not all near-ties (argmax tests need clear winners)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.08)
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = pad
+    model.generation_config.bos_token_id = None
+    model.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def make_tiny_drafter(target_dir, out_dir, num_layers: int = 1, block_size: int = 4, target_layer_ids=None,
+                      mask_token_id=None, seed: int = 0, **overrides) -> Path:
+    """Build and save a random z-lab format drafter for the target in target_dir; returns out_dir."""
+    from .drafter import DrafterConfig, build_target_layer_ids, random_drafter
+
+    t = json.loads((Path(target_dir) / "config.json").read_text())
+    n_target = int(t["num_hidden_layers"])
+    heads = int(t["num_attention_heads"])
+    fields = dict(
+        hidden_size=int(t["hidden_size"]),
+        intermediate_size=int(t["intermediate_size"]),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(t.get("num_key_value_heads") or heads),
+        head_dim=int(t.get("head_dim") or int(t["hidden_size"]) // heads),
+        rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(t.get("rope_theta") or (t.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        max_position_embeddings=int(t.get("max_position_embeddings", 2048)),
+        vocab_size=int(t["vocab_size"]),
+        block_size=block_size,
+        target_layer_ids=list(target_layer_ids) if target_layer_ids is not None
+        else build_target_layer_ids(n_target, num_layers),
+        mask_token_id=int(t["vocab_size"]) - 1 if mask_token_id is None else int(mask_token_id),
+        num_target_layers=n_target,
+    )
+    fields.update(overrides)
+    cfg = DrafterConfig(**fields)
+    model = random_drafter(cfg, seed=seed)
+    # a random drafter with std 0.02 is nearly constant; a larger scale exercises the numerics
+    model.init_weights(seed, std=0.08)
+    model.save_pretrained(out_dir)
+    return Path(out_dir)

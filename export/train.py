@@ -1,0 +1,606 @@
+"""Distill a DFlash drafter for any Hugging Face causal LM (CPU or CUDA).
+
+Contract:
+- `train(cfg: TrainConfig) -> Path` trains `ovdflash_export.drafter.DFlashDrafter` on sequences
+  stored by `ovdflash_export.data` (token ids: chat prompt + target-regenerated response) and
+  writes a z-lab checkpoint (config.json + model.safetensors, no embedding / lm_head) to
+  `cfg.out_dir`, loadable with `DFlashDrafter.from_pretrained` and by `ovdflash export`.
+- The target is frozen and never saved. Its embedding embeds the blocks, its lm_head scores them.
+  Target features (HF `hidden_states[id+1]` = output of decoder layer id, before the final norm)
+  are recomputed by the target itself, one sequence at a time, running only the layers up to the
+  deepest id; `feature_cache_gb` keeps them (fp16) in memory so later epochs skip the target.
+- Objective (dflash.md §5): per sequence, random anchors p in the response; block
+  `[x_p, MASK*(B-1)]` at positions p..p+B-1; a block sees context features j < p and its own
+  block (bidirectional); slot k labels x_{p+k}; CE weighted by exp(-(k-1)/gamma) / sum.
+- Two deviations that keep the saved checkpoint standard (drafter_feasibility.md §2):
+  * the CE softmax runs over the token ids that occur in the training data plus
+    `num_negatives` random other ids per step (keeps the rest of the vocabulary pushed down, so
+    the full-vocabulary argmax used at inference stays safe);
+  * each target layer's features are divided by their median token RMS before `fc`; the scale
+    is folded into `fc.weight` when saving, so the checkpoint takes raw features.
+- Resumable and deterministic: batches and anchors at step t come from RNG seeded (seed, t), and
+  `train_state.pt` holds model, optimizer, step, elapsed time, scales and the vocab subset. A run
+  resumed from a checkpoint reproduces the uninterrupted run's losses.
+- Validation: loss, per-slot top-1 accuracy (full vocabulary argmax) and a teacher-forced
+  acceptance estimate tau = 1 + mean number of leading correct slots per full block, per domain.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .data import Sequence, load_sequences
+from .drafter import DFlashDrafter, DrafterConfig, build_target_layer_ids, drafter_num_params
+
+STATE_NAME = "train_state.pt"
+LOG_NAME = "train_log.jsonl"
+
+
+@dataclass
+class TrainConfig:
+    target: str                      # HF model directory of the target
+    data_dirs: list[str]             # directories written by ovdflash_export.data
+    out_dir: str
+    eval_dirs: list[str] = field(default_factory=list)  # held-out prompts' sequences: tau per domain
+    state_dir: str | None = None     # where train_state.pt goes (None: out_dir); it is ~12x the checkpoint
+    num_layers: int = 1
+    block_size: int = 8
+    target_layer_ids: list[int] | None = None   # None: build_target_layer_ids(L, 5)
+    num_features: int = 5
+    mask_token_id: int | None = None             # None: the last row of the embedding table
+    anchors_per_seq: int = 48
+    batch_seqs: int = 8
+    max_len: int = 768
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 48
+    max_steps: int | None = None     # the schedule's length in steps ...
+    minutes: float | None = None     # ... or in wall-clock minutes (then steps are open-ended)
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float = 4.0
+    vocab_subset: bool = True
+    num_negatives: int = 1024
+    feature_scaling: bool = True
+    # final norm scale at init; None: 1 / median target embedding norm, so initial logits are O(1)
+    # (with 1.0, SmolLM2 starts at logits of +-60 and a loss near 58 that takes ~100 steps to leave)
+    final_norm_init: float | None = None
+    val_fraction: float = 0.05
+    val_every: int = 100
+    max_val_seqs: int = 48
+    # sequences whose features are new to a step (None: the whole batch is drawn at random). The rest
+    # of the batch re-reads cached features of earlier sequences; on a CPU the frozen target's forward
+    # costs ~6x the drafter's step, so this is what makes data reuse cheap (like stored features).
+    new_per_step: int | None = None
+    reload_every: int = 0            # steps between re-reading data_dirs (0: never); for data still growing
+    val_anchors: int = 16
+    save_every_s: float = 180.0
+    feature_cache_gb: float = 4.0
+    seed: int = 0
+    stop_after_steps: int | None = None  # end this invocation early (schedule unchanged), as a kill would
+    device: str = "auto"
+    threads: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------ target side
+class FrozenTarget:
+    """The frozen target: embedding, lm_head weight and per-sequence layer features."""
+
+    def __init__(self, path, layer_ids, device, dtype=torch.float32):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        model.eval().requires_grad_(False)
+        self.config = model.config
+        self.layer_ids = list(layer_ids)
+        deepest = max(self.layer_ids)
+        base = model.model
+        # only the layers up to the deepest feature layer ever run
+        base.layers = base.layers[: deepest + 1]
+        self.base = base.to(device)
+        self.embed = base.embed_tokens
+        self.lm_head_weight = model.get_output_embeddings().weight.detach().to(device)
+        self.device = device
+        self._captured = {}
+        for i in self.layer_ids:
+            base.layers[i].register_forward_hook(self._hook(i))
+
+    def _hook(self, i):
+        def fn(module, args, output):
+            self._captured[i] = output[0] if isinstance(output, tuple) else output
+        return fn
+
+    @torch.no_grad()
+    def features(self, ids: torch.Tensor) -> torch.Tensor:
+        """[S] token ids -> [S, n*Ht] f32: decoder-layer outputs at layer_ids, concatenated."""
+        self._captured.clear()
+        self.base(input_ids=ids[None].to(self.device), use_cache=False)
+        return torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1).float()
+
+
+class FeatureStore:
+    """Per-sequence features, computed by the target once and kept (fp16) within a memory cap."""
+
+    def __init__(self, target: FrozenTarget, cap_gb: float):
+        self.target = target
+        self.cap = int(cap_gb * 2**30)
+        self.used = 0
+        self.cache: dict[int, torch.Tensor] = {}
+        self.computed_tokens = 0
+
+    def get(self, idx: int, ids: torch.Tensor) -> torch.Tensor:
+        hit = self.cache.get(idx)
+        if hit is not None:
+            return hit.float()
+        feats = self.target.features(ids)
+        self.computed_tokens += ids.numel()
+        nbytes = feats.numel() * 2
+        if self.used + nbytes <= self.cap:
+            # store the f16 copy and return it, so cached and fresh calls give identical values
+            half = feats.to(torch.float16)
+            self.cache[idx] = half
+            self.used += nbytes
+            return half.float()
+        return feats.to(torch.float16).float()
+
+
+# ------------------------------------------------------------------ batch building
+def _sample_anchors(rng: np.random.Generator, prompt_len: int, length: int, n: int) -> np.ndarray:
+    lo, hi = prompt_len, length - 2  # anchor = a committed response token with at least one label after it
+    if hi < lo:
+        return np.zeros(0, dtype=np.int64)
+    cands = np.arange(lo, hi + 1)
+    if cands.size > n:
+        cands = rng.choice(cands, size=n, replace=False)
+    return np.sort(cands)
+
+
+def build_batch(seqs: list[Sequence], idxs, store: FeatureStore, embed, rng: np.random.Generator, *,
+                block_size: int, n_anchors: int, max_len: int, mask_token_id: int, feat_scale, device):
+    """Tensors for one drafter forward over len(idxs) sequences with up to n_anchors blocks each."""
+    B = block_size
+    toks, feats, anchors = [], [], []
+    for i in idxs:
+        s = seqs[i]
+        t = torch.from_numpy(s.tokens[:max_len])
+        toks.append(t)
+        feats.append(store.get(i, t))
+        anchors.append(_sample_anchors(rng, s.prompt_len, t.numel(), n_anchors))
+    b = len(idxs)
+    S = max(t.numel() for t in toks)
+    N = max(1, max(a.size for a in anchors))
+    Ftot = feats[0].shape[-1]
+    target_hidden = torch.zeros(b, S, Ftot)
+    block_ids = torch.full((b, N, B), mask_token_id, dtype=torch.long)
+    labels = torch.full((b, N, B - 1), -100, dtype=torch.long)
+    anchor_pos = torch.zeros(b, N, dtype=torch.long)
+    keep = torch.zeros(b, N, dtype=torch.bool)
+    for j, (t, f, a) in enumerate(zip(toks, feats, anchors)):
+        L = t.numel()
+        target_hidden[j, :L] = f
+        n = a.size
+        if n == 0:
+            continue
+        a_t = torch.from_numpy(a)
+        anchor_pos[j, :n] = a_t
+        keep[j, :n] = True
+        block_ids[j, :n, 0] = t[a_t]
+        for k in range(1, B):
+            pos = a_t + k
+            ok = pos < L
+            labels[j, :n, k - 1] = torch.where(ok, t[pos.clamp(max=L - 1)], torch.full_like(pos, -100))
+    # positions: context 0..S-1, then each block p..p+B-1
+    ctx_pos = torch.arange(S).expand(b, S)
+    blk_pos = (anchor_pos[:, :, None] + torch.arange(B)).reshape(b, N * B)
+    position_ids = torch.cat([ctx_pos, blk_pos], dim=1)
+    # mask [b,1,N*B,S+N*B]: context j visible iff j < anchor; own block fully visible
+    ctx_vis = torch.arange(S)[None, None, :] < anchor_pos[:, :, None]          # [b,N,S]
+    ctx_vis = ctx_vis[:, :, None, :].expand(b, N, B, S).reshape(b, N * B, S)
+    blk_id = torch.arange(N).repeat_interleave(B)
+    blk_vis = (blk_id[:, None] == blk_id[None, :]).expand(b, N * B, N * B)
+    mask = torch.cat([ctx_vis, blk_vis], dim=-1)[:, None]
+    labels[~keep] = -100
+    with torch.no_grad():
+        block_embeds = embed(block_ids.reshape(b, N * B).to(device)).float()
+    th = target_hidden.to(device)
+    if feat_scale is not None:
+        th = th * feat_scale
+    return dict(block_embeds=block_embeds, target_hidden=th, position_ids=position_ids.to(device),
+                mask=mask.to(device), labels=labels.to(device), B=B, N=N)
+
+
+# ------------------------------------------------------------------ loss
+def slot_weights(B: int, gamma: float, device) -> torch.Tensor:
+    k = torch.arange(1, B, device=device, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    return w / w.sum()
+
+
+def drafter_logits(hidden, head_weight, vocab_ids=None):
+    """hidden [..., H] -> logits over vocab_ids (or the whole vocabulary)."""
+    w = head_weight if vocab_ids is None else head_weight[vocab_ids]
+    return hidden @ w.T
+
+
+def blocks_forward(drafter: DFlashDrafter, batch: dict) -> torch.Tensor:
+    h, _ = drafter(batch["block_embeds"], batch["target_hidden"], batch["position_ids"],
+                   attention_mask=batch["mask"])
+    b, N, B = h.shape[0], batch["N"], batch["B"]
+    return h.reshape(b, N, B, -1)[:, :, 1:]  # slots 1..B-1: [b,N,B-1,H]
+
+
+def weighted_ce(h, labels, head_weight, weights, vocab_ids=None, remap=None):
+    """Position-decayed CE; labels [b,N,B-1] in full-vocab ids (-100 = none)."""
+    logits = drafter_logits(h, head_weight, vocab_ids).float()
+    tgt = labels if remap is None else torch.where(labels >= 0, remap[labels.clamp(min=0)], labels)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100,
+                         reduction="none").reshape(labels.shape)
+    valid = (tgt >= 0).float()
+    w = weights.view(1, 1, -1) * valid
+    return (ce * w).sum() / w.sum().clamp(min=1e-8), logits
+
+
+# ------------------------------------------------------------------ helpers
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def split_train_val(seqs: list[Sequence], fraction: float, seed: int):
+    """Validation = whole prompts (every mode/rep of a prompt stays on one side)."""
+    import zlib
+
+    ids = sorted({s.prompt_id for s in seqs})
+    val_ids = {p for p in ids if (zlib.crc32(f"{seed}:{p}".encode()) % 10_000) < fraction * 10_000}
+    train = [i for i, s in enumerate(seqs) if s.prompt_id not in val_ids]
+    val = [i for i, s in enumerate(seqs) if s.prompt_id in val_ids]
+    return train, val
+
+
+def pick_batch(rng: np.random.Generator, train_idx: list[int], step: int, batch: int, new_per_step: int | None):
+    """Sequence indices for `step`; deterministic given (rng, step, train_idx).
+
+    With new_per_step=k, the data is walked in stored order: step t takes the k sequences
+    [f(t-1), f(t)) with f(t) = batch + k*t, plus batch-k drawn at random from the ones before.
+    """
+    n = len(train_idx)
+    if new_per_step is None or n <= batch:
+        return [train_idx[i] for i in rng.choice(n, size=min(batch, n), replace=False)]
+    lo = min(n, batch + new_per_step * (step - 1)) if step else 0
+    hi = min(n, batch + new_per_step * step)
+    fresh = list(range(lo, hi))
+    old = rng.choice(lo, size=min(batch - len(fresh), lo), replace=False).tolist() if lo else []
+    return [train_idx[i] for i in fresh + old]
+
+
+def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    p = min(max(progress, 0.0), 1.0)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def layer_scales(store: FeatureStore, seqs, idxs, n_feat: int, hidden: int, max_len: int) -> torch.Tensor:
+    """Median token RMS of each feature layer over a few sequences (skipping position 0)."""
+    rms = [[] for _ in range(n_feat)]
+    for i in idxs:
+        f = store.get(i, torch.from_numpy(seqs[i].tokens[:max_len]))[1:]
+        for l in range(n_feat):
+            rms[l].append(f[:, l * hidden:(l + 1) * hidden].pow(2).mean(-1).sqrt())
+    return torch.tensor([torch.cat(r).median().item() for r in rms])
+
+
+DRAFT_VOCAB_NAME = "draft_vocab.json"  # optional in a checkpoint; `ovdflash export` restricts the drafter's head to it
+
+
+def save_folded(drafter: DFlashDrafter, inv_scale: torch.Tensor | None, out_dir, dtype=torch.float32,
+                draft_vocab: torch.Tensor | None = None):
+    """Save a z-lab checkpoint that takes raw features: the per-layer scale is folded into fc.
+
+    `draft_vocab` (the ids the CE was trained over) is written as draft_vocab.json."""
+    import copy
+
+    out = copy.deepcopy(drafter).to("cpu", torch.float32)
+    if inv_scale is not None:
+        with torch.no_grad():
+            out.fc.weight.mul_(inv_scale.to("cpu")[None, :])
+    out = out.to(dtype)
+    tmp = Path(str(out_dir) + ".tmp")
+    out.save_pretrained(tmp)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        os.replace(tmp / name, Path(out_dir) / name)
+    tmp.rmdir()
+    if draft_vocab is not None:
+        (Path(out_dir) / DRAFT_VOCAB_NAME).write_text(json.dumps(sorted(int(i) for i in draft_vocab.tolist())))
+
+
+# ------------------------------------------------------------------ validation
+@torch.no_grad()
+def evaluate(drafter, seqs, idxs, store, target, cfg, feat_scale, vocab_ids, remap, weights, device,
+             n_anchors=None, seed=12345, draft_vocab: torch.Tensor | None = None) -> dict:
+    """Val loss (subset CE), per-slot accuracy and tau estimate, with full-vocabulary argmax
+    (or an argmax restricted to `draft_vocab`, as a runtime with a draft vocabulary does)."""
+    drafter.eval()
+    rng = np.random.default_rng(seed)
+    B = cfg.block_size
+    tot_loss, n_batches = 0.0, 0
+    correct = np.zeros(B - 1)
+    counted = np.zeros(B - 1)
+    tau_sum: dict[str, float] = {}
+    tau_n: dict[str, int] = {}
+    for start in range(0, len(idxs), cfg.batch_seqs):
+        chunk = idxs[start:start + cfg.batch_seqs]
+        batch = build_batch(seqs, chunk, store, target.embed, rng, block_size=B,
+                            n_anchors=n_anchors or cfg.val_anchors, max_len=cfg.max_len,
+                            mask_token_id=cfg.mask_token_id, feat_scale=feat_scale, device=device)
+        h = blocks_forward(drafter, batch)
+        loss, _ = weighted_ce(h, batch["labels"], target.lm_head_weight, weights, vocab_ids, remap)
+        tot_loss += loss.item()
+        n_batches += 1
+        if draft_vocab is None:
+            pred = drafter_logits(h, target.lm_head_weight).argmax(-1)  # full vocabulary, as at inference
+        else:
+            pred = draft_vocab[drafter_logits(h, target.lm_head_weight, draft_vocab).argmax(-1)]
+        lab = batch["labels"]
+        ok = (pred == lab) & (lab >= 0)
+        valid = lab >= 0
+        correct += ok.sum((0, 1)).cpu().numpy()
+        counted += valid.sum((0, 1)).cpu().numpy()
+        full = valid.all(-1)  # blocks with all B-1 labels inside the sequence
+        lead = torch.cumprod(ok.long(), dim=-1).sum(-1)  # leading correct slots
+        for j, i in enumerate(chunk):
+            d = seqs[i].domain
+            sel = full[j]
+            tau_sum[d] = tau_sum.get(d, 0.0) + float((1 + lead[j][sel]).sum())
+            tau_n[d] = tau_n.get(d, 0) + int(sel.sum())
+    drafter.train()
+    res = {"val_loss": tot_loss / max(n_batches, 1),
+           "val_acc": [round(float(c / max(n, 1)), 4) for c, n in zip(correct, counted)]}
+    all_n = sum(tau_n.values())
+    res["val_tau"] = round(sum(tau_sum.values()) / max(all_n, 1), 4)
+    for d in sorted(tau_n):
+        res[f"val_tau_{d}"] = round(tau_sum[d] / max(tau_n[d], 1), 4)
+    return res
+
+
+# ------------------------------------------------------------------ main loop
+def train(cfg: TrainConfig, log=print) -> Path:
+    device = pick_device(cfg.device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state_path = Path(cfg.state_dir or out_dir) / STATE_NAME
+    state_path.parent.mkdir(parents=True, exist_ok=True)
+    resume = torch.load(state_path, map_location="cpu", weights_only=False) if state_path.exists() else None
+    if resume is not None:
+        # the run's identity (geometry, data, schedule) comes from the checkpoint
+        saved = resume["train_config"]
+        for k in ("num_layers", "block_size", "target_layer_ids", "num_features", "mask_token_id",
+                  "anchors_per_seq", "batch_seqs", "max_len", "seed", "gamma", "vocab_subset", "feature_scaling"):
+            setattr(cfg, k, saved[k])
+
+    tcfg = json.loads((Path(cfg.target) / "config.json").read_text())
+    n_target = int(tcfg["num_hidden_layers"])
+    if cfg.target_layer_ids is None:
+        cfg.target_layer_ids = build_target_layer_ids(n_target, cfg.num_features)
+    vocab = int(tcfg["vocab_size"])
+    if cfg.mask_token_id is None:
+        cfg.mask_token_id = vocab - 1
+    if not 0 <= cfg.mask_token_id < vocab:
+        raise ValueError(f"mask_token_id {cfg.mask_token_id} is outside the embedding table ({vocab} rows)")
+
+    target = FrozenTarget(cfg.target, cfg.target_layer_ids, device)
+    H = int(tcfg["hidden_size"])
+    heads = int(tcfg["num_attention_heads"])
+    rope_theta = tcfg.get("rope_theta") or (tcfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    dcfg = DrafterConfig(
+        hidden_size=H, intermediate_size=int(tcfg["intermediate_size"]), num_hidden_layers=cfg.num_layers,
+        num_attention_heads=heads, num_key_value_heads=int(tcfg.get("num_key_value_heads") or heads),
+        head_dim=int(tcfg.get("head_dim") or H // heads), rms_norm_eps=float(tcfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta), max_position_embeddings=int(tcfg.get("max_position_embeddings", 4096)),
+        vocab_size=vocab, block_size=cfg.block_size, target_layer_ids=list(cfg.target_layer_ids),
+        mask_token_id=cfg.mask_token_id, num_target_layers=n_target)
+    drafter = DFlashDrafter(dcfg).init_weights(cfg.seed)
+    with torch.no_grad():
+        init = cfg.final_norm_init
+        if init is None:
+            init = 1.0 / target.lm_head_weight.norm(dim=-1).median().item()
+        drafter.norm.weight.fill_(init)
+    drafter.to(device).train()
+
+    def load_data():
+        # data directories are append-only, so a reload keeps every earlier sequence's index
+        seqs = [s for d in cfg.data_dirs for s in load_sequences(d)]
+        if not seqs:
+            raise ValueError(f"no training sequences in {cfg.data_dirs}")
+        tr, va = split_train_val(seqs, cfg.val_fraction, cfg.seed)
+        if not tr:
+            raise ValueError("validation split took every sequence")
+        return seqs, tr, va[: cfg.max_val_seqs]
+
+    def used_vocab(seqs, idxs):
+        used = np.zeros(vocab, dtype=bool)
+        for i in idxs:
+            used[seqs[i].tokens[seqs[i].prompt_len:]] = True
+        return torch.from_numpy(np.nonzero(used)[0])
+
+    def vocab_tables(ids):
+        remap = torch.full((vocab,), -100, dtype=torch.long, device=device)
+        remap[ids] = torch.arange(ids.numel(), device=device)
+        outside = torch.ones(vocab, dtype=torch.bool)
+        outside[ids.cpu()] = False
+        return remap, torch.nonzero(outside)[:, 0]
+
+    seqs, train_idx, val_idx = load_data()
+    store = FeatureStore(target, cfg.feature_cache_gb)
+    eval_seqs = [s for d in cfg.eval_dirs for s in load_sequences(d)]
+    eval_store = FeatureStore(target, 0.5)
+
+    if resume is not None:
+        vocab_ids = resume["vocab_ids"]
+        inv_scale = resume["inv_scale"]
+    else:
+        vocab_ids = None
+        if cfg.vocab_subset:
+            vocab_ids = used_vocab(seqs, train_idx)
+        inv_scale = None
+        if cfg.feature_scaling:
+            probe = train_idx[: min(16, len(train_idx))]
+            scales = layer_scales(store, seqs, probe, len(cfg.target_layer_ids), H, cfg.max_len)
+            inv_scale = (1.0 / scales).repeat_interleave(H)
+    feat_scale = inv_scale.to(device) if inv_scale is not None else None
+    remap = None
+    if vocab_ids is not None:
+        vocab_ids = vocab_ids.to(device)
+        remap, outside_ids = vocab_tables(vocab_ids)
+
+    decay, no_decay = [], []
+    for n, p in drafter.named_parameters():
+        (no_decay if p.dim() < 2 else decay).append(p)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    step, elapsed_before = 0, 0.0
+    if resume is not None:
+        drafter.load_state_dict(resume["model"])
+        opt.load_state_dict(resume["optimizer"])
+        step, elapsed_before = resume["step"], resume["elapsed"]
+        log(f"resumed at step {step} ({elapsed_before / 60:.1f} min trained)")
+    weights = slot_weights(cfg.block_size, cfg.gamma, device)
+    n_train_resp = sum(len(seqs[i].tokens) - seqs[i].prompt_len for i in train_idx)
+    log(f"drafter {drafter_num_params(drafter) / 1e6:.2f}M params, layers {cfg.target_layer_ids}, block "
+        f"{cfg.block_size}, mask {cfg.mask_token_id}; {len(train_idx)} train seqs ({n_train_resp} response "
+        f"tokens), {len(val_idx)} val seqs; vocab subset {None if vocab_ids is None else vocab_ids.numel()}; "
+        f"device {device}")
+
+    def save(final=False):
+        state = {"model": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                 "elapsed": elapsed_before + (time.time() - t_start), "vocab_ids": None if vocab_ids is None
+                 else vocab_ids.cpu(), "inv_scale": inv_scale, "train_config": asdict(cfg)}
+        tmp = state_path.with_name(STATE_NAME + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, state_path)
+        save_folded(drafter, inv_scale, out_dir, draft_vocab=vocab_ids)
+
+    log_f = open(out_dir / LOG_NAME, "a")
+    t_start = time.time()
+    last_save = time.time()
+    ema = None
+    acc_ema = None
+    while True:
+        elapsed = elapsed_before + (time.time() - t_start)
+        if cfg.max_steps is not None:
+            if step >= cfg.max_steps:
+                break
+            progress = (step - cfg.warmup_steps) / max(cfg.max_steps - cfg.warmup_steps, 1)
+        elif cfg.minutes is not None:
+            if elapsed >= cfg.minutes * 60:
+                break
+            progress = elapsed / (cfg.minutes * 60)
+        else:
+            raise ValueError("set max_steps or minutes")
+        if cfg.stop_after_steps is not None and step >= cfg.stop_after_steps:
+            break
+        if cfg.reload_every and step and step % cfg.reload_every == 0:
+            n_before = len(seqs)
+            seqs, train_idx, val_idx = load_data()
+            if vocab_ids is not None:
+                # the CE subset may only grow (it holds no parameters, only which logits are scored)
+                vocab_ids = torch.unique(torch.cat([vocab_ids.cpu(), used_vocab(seqs, train_idx)])).to(device)
+                remap, outside_ids = vocab_tables(vocab_ids)
+            if len(seqs) != n_before:
+                log(f"reloaded data: {len(seqs)} sequences ({len(train_idx)} train), vocab subset "
+                    f"{None if vocab_ids is None else vocab_ids.numel()}")
+        lr = lr_at(cfg, step, progress)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        rng = np.random.default_rng([cfg.seed, step])
+        idxs = pick_batch(rng, train_idx, step, cfg.batch_seqs, cfg.new_per_step)
+        batch = build_batch(seqs, idxs, store, target.embed, rng, block_size=cfg.block_size,
+                            n_anchors=cfg.anchors_per_seq, max_len=cfg.max_len, mask_token_id=cfg.mask_token_id,
+                            feat_scale=feat_scale, device=device)
+        ids = vocab_ids
+        step_remap = remap
+        if vocab_ids is not None and cfg.num_negatives and outside_ids.numel():
+            neg = outside_ids[torch.from_numpy(rng.choice(outside_ids.numel(), size=min(cfg.num_negatives,
+                                                          outside_ids.numel()), replace=False))].to(device)
+            ids = torch.cat([vocab_ids, neg])
+        h = blocks_forward(drafter, batch)
+        loss, logits = weighted_ce(h, batch["labels"], target.lm_head_weight, weights, ids, step_remap)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        with torch.no_grad():
+            lab = batch["labels"] if remap is None else torch.where(
+                batch["labels"] >= 0, remap[batch["labels"].clamp(min=0)], batch["labels"])
+            valid = lab >= 0
+            acc = ((logits.argmax(-1) == lab) & valid).sum((0, 1)).float() / valid.sum((0, 1)).clamp(min=1)
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        acc_ema = acc.cpu().numpy() if acc_ema is None else 0.95 * acc_ema + 0.05 * acc.cpu().numpy()
+        rec = {"step": step, "loss": round(loss.item(), 5), "loss_ema": round(ema, 4), "lr": lr,
+               "grad_norm": round(float(gnorm), 3), "acc": [round(float(a), 3) for a in acc_ema],
+               "min": round((elapsed_before + time.time() - t_start) / 60, 2),
+               "target_tokens": store.computed_tokens}
+        if val_idx and (step % cfg.val_every == 0):
+            rec.update(evaluate(drafter, seqs, val_idx, store, target, cfg, feat_scale, vocab_ids, remap,
+                                weights, device))
+            if eval_seqs:
+                ev = evaluate(drafter, eval_seqs, list(range(len(eval_seqs))), eval_store, target, cfg, feat_scale,
+                              vocab_ids, remap, weights, device, n_anchors=64)
+                rec.update({k.replace("val_", "eval_"): v for k, v in ev.items()})
+        log_f.write(json.dumps(rec) + "\n")
+        log_f.flush()
+        if step % 10 == 0 or "val_loss" in rec or step == 1:
+            log(" ".join(f"{k}={v}" for k, v in rec.items()))
+        if time.time() - last_save >= cfg.save_every_s:
+            save()
+            last_save = time.time()
+    save(final=True)
+    if val_idx or eval_seqs:
+        final = {} if not val_idx else evaluate(drafter, seqs, val_idx, store, target, cfg, feat_scale, vocab_ids, remap, weights, device)
+        final["step"] = step
+        if eval_seqs:
+            ev = evaluate(drafter, eval_seqs, list(range(len(eval_seqs))), eval_store, target, cfg, feat_scale,
+                          vocab_ids, remap, weights, device, n_anchors=10_000)
+            final.update({k.replace("val_", "eval_"): v for k, v in ev.items()})
+        log_f.write(json.dumps({"final": final}) + "\n")
+        log("final " + json.dumps(final))
+    log_f.close()
+    return out_dir
+
+
+def evaluate_checkpoint(drafter_dir, target_dir, data_dirs, n_anchors: int = 10_000, batch_seqs: int = 4,
+                        device: str = "auto") -> dict:
+    """Teacher-forced acceptance estimate of a saved checkpoint (raw features, full-vocab argmax)."""
+    device = pick_device(device)
+    drafter = DFlashDrafter.from_pretrained(drafter_dir).to(device)
+    c = drafter.config
+    target = FrozenTarget(target_dir, c.target_layer_ids, device)
+    seqs = [s for d in data_dirs for s in load_sequences(d)]
+    cfg = TrainConfig(target=str(target_dir), data_dirs=[], out_dir="", block_size=c.block_size,
+                      mask_token_id=c.mask_token_id, batch_seqs=batch_seqs)
+    weights = slot_weights(c.block_size, cfg.gamma, device)
+    store = FeatureStore(target, 2.0)
+    res = evaluate(drafter, seqs, list(range(len(seqs))), store, target, cfg, None, None, None,
+                   weights, device, n_anchors=n_anchors)
+    out = {k.replace("val_", "eval_"): v for k, v in res.items()} | {"sequences": len(seqs)}
+    vocab_path = Path(drafter_dir) / DRAFT_VOCAB_NAME
+    if vocab_path.is_file():
+        dv = torch.tensor(sorted(json.loads(vocab_path.read_text())), dtype=torch.long, device=device)
+        res = evaluate(drafter, seqs, list(range(len(seqs))), store, target, cfg, None, None, None,
+                       weights, device, n_anchors=n_anchors, draft_vocab=dv)
+        out["with_draft_vocab"] = {k.replace("val_", "eval_"): v for k, v in res.items() if "loss" not in k}
+    return out

@@ -1,0 +1,84 @@
+"""The default model of `ovdflash chat` / `bench`: SmolLM2-135M-Instruct + the shipped drafter.
+
+Contract: `ensure_default_model(cache_dir=None, progress=True) -> Path` returns an exported model
+directory (docs/DESIGN.md layout, with manifest.json) at `<root>/smollm2-135m-dflash-ov`, where
+`<root>` is as in `ovdflash_models.fetch.cache_root`. On first use it fetches SmolLM2
+(`fetch_smollm2`), then exports target + `SHIPPED_DRAFTER` with
+`ovdflash_export.exporter.export_pair`. Idempotent: it re-exports only when the export is missing
+or was made from a different drafter checkpoint (sha256 of its files, kept in `STAMP_NAME`).
+Needs the export extra (torch) only when an export actually runs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+from .fetch import cache_root, fetch_smollm2
+
+SHIPPED_DRAFTER = Path(__file__).resolve().parent / "smollm2_dflash"
+EXPORT_DIRNAME = "smollm2-135m-dflash-ov"
+STAMP_NAME = "ovdflash_default.json"
+# int8 weights: 4x smaller than f32 with no measurable quality change on SmolLM2 (bf16 *compute* is
+# what hurts it; the runtime compiles it with an f32 inference hint). The 5 MB drafter stays f32.
+TARGET_WEIGHT_FORMAT = "int8"
+DRAFTER_WEIGHT_FORMAT = "fp32"
+
+
+def drafter_fingerprint(drafter_dir: Path | None = None) -> str:
+    """sha256 over the drafter checkpoint's files (default: the shipped one)."""
+    drafter_dir = SHIPPED_DRAFTER if drafter_dir is None else drafter_dir
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors", "draft_vocab.json"):
+        path = Path(drafter_dir) / name
+        if path.is_file():  # draft_vocab.json is optional
+            h.update(name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def default_model_dir(cache_dir=None) -> Path:
+    return cache_root(cache_dir) / EXPORT_DIRNAME
+
+
+def _up_to_date(out: Path, fingerprint: str) -> bool:
+    stamp = out / STAMP_NAME
+    if not (out / "manifest.json").is_file() or not stamp.is_file():
+        return False
+    try:
+        return json.loads(stamp.read_text()).get("drafter_sha256") == fingerprint
+    except json.JSONDecodeError:
+        return False
+
+
+def ensure_default_model(cache_dir=None, progress: bool = True) -> Path:
+    """Fetch + export the default pair into the cache if needed; return the model directory."""
+    if not (SHIPPED_DRAFTER / "model.safetensors").is_file():
+        raise FileNotFoundError(f"the shipped drafter is missing: {SHIPPED_DRAFTER}")
+    out = default_model_dir(cache_dir)
+    fingerprint = drafter_fingerprint()
+    if _up_to_date(out, fingerprint):
+        return out
+    hf_dir = fetch_smollm2(cache_dir, progress=progress)
+    from rich.console import Console
+
+    console = Console(stderr=True, quiet=not progress)
+    # torch side, imported only when an export runs
+    from ovdflash_export.exporter import export_pair
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with console.status("exporting SmolLM2-135M-Instruct + DFlash drafter to OpenVINO") as status:
+        export_pair(hf_dir, SHIPPED_DRAFTER, tmp, target_weight_format=TARGET_WEIGHT_FORMAT,
+                    drafter_weight_format=DRAFTER_WEIGHT_FORMAT,
+                    progress=lambda msg: status.update(f"export: {msg}"))
+    (tmp / STAMP_NAME).write_text(json.dumps({"drafter_sha256": fingerprint, "target": str(hf_dir)}, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)
+    console.print(f"[green]default model ready:[/green] {out}")
+    return out
+
+
+if __name__ == "__main__":
+    print(ensure_default_model())

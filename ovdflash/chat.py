@@ -1,0 +1,130 @@
+"""`ovdflash chat [MODEL_DIR]`: multi-turn chat with streamed DFlash output.
+
+Contract: the reply streams to stdout block by block; one stats line per turn goes to stderr.
+Commands: /reset (forget the conversation), /stats (cumulative stats), /quit (or Ctrl-D).
+Ctrl-C while a reply streams stops that reply (the partial reply stays in the history) and
+keeps the session. `--prompt TEXT` answers one message non-interactively and exits.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+from pathlib import Path
+
+import click
+
+HELP = "commands: /reset  /stats  /quit   (Ctrl-C stops a reply, Ctrl-D quits)"
+
+
+def _parse_config(items) -> dict:
+    config = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--config")
+        config[key.strip()] = value.strip()
+    return config
+
+
+@contextlib.contextmanager
+def _sigint_to_main_thread_only():
+    """Block SIGINT while OpenVINO creates its worker threads, so they inherit the blocked mask.
+
+    Why: the kernel may deliver Ctrl-C to any thread that does not block it. When an OpenVINO
+    worker gets it, Python only sets a flag, and the main thread, asleep in readline's select()
+    at the `>>>` prompt, never wakes up: Ctrl-C seems to do nothing. With every worker blocking
+    SIGINT, the signal always lands on the main thread.
+    """
+    if not hasattr(signal, "pthread_sigmask"):  # not POSIX: nothing to do
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+@click.command()
+@click.argument("model_dir", required=False, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--prompt", "-p", help="Answer this one message and exit (non-interactive).")
+@click.option("--system", help="System message for the conversation.")
+@click.option("--temperature", "-t", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--max-new-tokens", "-n", type=int, default=512, show_default=True)
+@click.option("--block-size", type=int, default=None, help="Tokens per draft block (default: the drafter's).")
+@click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding on the same target.")
+@click.option("--seed", type=int, default=None, help="Sampling seed (reproducible replies).")
+@click.option("--device", "-d", default="CPU", show_default=True, help="OpenVINO device.")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="OpenVINO CACHE_DIR (default ~/.cache/ovdflash/ov_cache).")
+@click.option("--config", "-c", multiple=True, metavar="KEY=VALUE",
+              help="OpenVINO compile property, e.g. -c INFERENCE_PRECISION_HINT=f32 (repeatable).")
+def chat(model_dir, prompt, system, temperature, top_p, top_k, max_new_tokens, block_size, no_draft, seed,
+         device, cache_dir, config):
+    """Chat with MODEL_DIR (default: SmolLM2-135M + shipped drafter)."""
+    from .pipeline import DFlashPipeline
+    from .sampling import SamplingParams
+
+    try:
+        SamplingParams(temperature, top_p, top_k, seed)  # reject bad values before the slow load
+        with _sigint_to_main_thread_only():
+            pipe = DFlashPipeline.from_pretrained(model_dir, device=device, draft=not no_draft,
+                                                  cache_dir=cache_dir, **_parse_config(config))
+            pipe.warm_up()
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                   seed=seed, block_size=block_size, draft=not no_draft)
+    base = [{"role": "system", "content": system}] if system else []
+
+    def reply(messages) -> str | None:
+        text = ""
+        try:
+            for chunk in pipe.stream(messages, **options):
+                click.echo(chunk, nl=False)
+                text += chunk
+        except KeyboardInterrupt:
+            click.echo(" [stopped]", nl=False)
+        except ValueError as exc:  # e.g. the conversation no longer fits the context
+            click.echo(f"error: {exc}" + ("" if prompt is not None else " (/reset starts over)"), err=True)
+            return None
+        click.echo()
+        click.echo(f"[{pipe.last_stats.summary_line()}]", err=True)
+        return text
+
+    if prompt is not None:
+        if reply(base + [{"role": "user", "content": prompt}]) is None:
+            raise SystemExit(1)
+        return
+
+    click.echo(HELP, err=True)
+    messages = list(base)
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            click.echo()
+            break
+        except KeyboardInterrupt:
+            click.echo()
+            continue
+        command = line.strip()
+        if not command:
+            continue
+        if command in ("/quit", "/exit"):
+            break
+        if command == "/reset":
+            messages = list(base)
+            click.echo("[conversation reset]", err=True)
+            continue
+        if command == "/stats":
+            click.echo(pipe.stats.report(), err=True)
+            continue
+        if command.startswith("/"):
+            click.echo(f"unknown command {command!r}; {HELP}", err=True)
+            continue
+        answer = reply(messages + [{"role": "user", "content": line}])
+        if answer is not None:
+            messages += [{"role": "user", "content": line}, {"role": "assistant", "content": answer}]

@@ -1,0 +1,54 @@
+"""`ovdflash export`: target LLM + DFlash drafter -> one OpenVINO model directory.
+
+The export stage (torch, transformers, optimum-intel, nncf) is imported inside the command
+only, so loading the CLI never imports torch. Input problems (a pair that does not fit, a
+missing file) print one line ``Error: ...`` and exit with code 2, writing nothing.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import click
+
+WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
+
+
+@click.command(name="export")
+@click.option("--target", "target", required=True, type=click.Path(exists=True),
+              help="HF model directory (or a .gguf file) of the target LLM (llama, qwen2, qwen3).")
+@click.option("--drafter", "drafter", required=True, type=click.Path(exists=True, file_okay=False),
+              help="z-lab format DFlash drafter checkpoint directory.")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Output model directory.")
+@click.option("--target-weight-format", type=click.Choice(WEIGHT_FORMATS), default="fp32", show_default=True)
+@click.option("--drafter-weight-format", type=click.Choice(WEIGHT_FORMATS), default="fp32", show_default=True)
+@click.option("--block-size", type=click.IntRange(min=2), default=None,
+              help="Block size (default: the drafter's block_size).")
+def export(target, drafter, out, target_weight_format, drafter_weight_format, block_size):
+    """Export a target LLM and its DFlash drafter to OpenVINO IR."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub during an export
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    try:
+        from ovdflash_export.exporter import ExportError, export_pair, validate_pair
+    except ImportError as exc:
+        raise click.ClickException(
+            f"the export stage is not installed ({exc}); install with `pip install ovdflash[export]`") from exc
+
+    start = time.perf_counter()
+    try:
+        validate_pair(target, drafter, block_size)  # before any output, so a mismatch is one line
+        with console.status("starting") as status:
+            def step(msg):
+                console.log(msg)
+                status.update(msg)
+
+            path = export_pair(target, drafter, out, target_weight_format=target_weight_format,
+                               drafter_weight_format=drafter_weight_format, block_size=block_size,
+                               progress=step)
+    except ExportError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        sys.exit(2)
+    console.log(f"exported to {path} in {time.perf_counter() - start:.1f} s")

@@ -1,0 +1,81 @@
+"""`ovdflash train`: distill a DFlash drafter for a Hugging Face target (needs the export extra).
+
+The command only parses options; the work is `ovdflash_export.train.train`, imported when the
+command runs so that `ovdflash --help` never loads torch. Re-running the same command with the
+same --out resumes from `train_state.pt` (model, optimizer, step, schedule position).
+"""
+import json
+
+import click
+
+
+def _ids(text):
+    return [int(x) for x in text.split(",")] if text else None
+
+
+@click.command(name="train")
+@click.option("--target", required=True,
+              help="HF model directory of the target, or 'smollm2' (fetched into the ovdflash cache).")
+@click.option("--data", "data_dirs", multiple=True, required=True,
+              help="Data directory written by `python -m ovdflash_export.data` (repeatable).")
+@click.option("--eval-data", "eval_dirs", multiple=True, help="Held-out data directory: tau estimate per domain.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Checkpoint directory (config.json + model.safetensors + train_state.pt).")
+@click.option("--state-dir", default=None, type=click.Path(file_okay=False),
+              help="Where train_state.pt (optimizer etc., for resuming) goes; default: --out.")
+@click.option("--layers", default=1, show_default=True, help="Drafter decoder layers.")
+@click.option("--block-size", default=8, show_default=True)
+@click.option("--target-layer-ids", default=None, help="Comma list, e.g. 1,8,14,20,27 (default: z-lab formula).")
+@click.option("--num-features", default=5, show_default=True, help="Feature layers when ids are not given.")
+@click.option("--mask-token-id", type=int, default=None, help="Default: the last embedding row.")
+@click.option("--anchors", default=48, show_default=True, help="Anchors (blocks) per sequence per step.")
+@click.option("--batch", "batch_seqs", default=8, show_default=True, help="Sequences per step.")
+@click.option("--max-len", default=768, show_default=True)
+@click.option("--lr", default=6e-4, show_default=True)
+@click.option("--warmup", "warmup_steps", default=48, show_default=True)
+@click.option("--steps", "max_steps", type=int, default=None, help="Schedule length in steps.")
+@click.option("--minutes", type=float, default=None, help="Schedule length in wall-clock minutes.")
+@click.option("--gamma", default=4.0, show_default=True, help="Slot weight decay exp(-(k-1)/gamma).")
+@click.option("--negatives", "num_negatives", default=1024, show_default=True)
+@click.option("--no-vocab-subset", is_flag=True, help="Full-vocabulary CE (slow on CPU).")
+@click.option("--no-feature-scaling", is_flag=True)
+@click.option("--val-every", default=100, show_default=True)
+@click.option("--new-per-step", type=int, default=None,
+              help="Sequences with fresh target features per step; the rest reuse cached ones (CPU speed-up).")
+@click.option("--reload-every", default=0, show_default=True,
+              help="Steps between re-reading --data (0: never); lets training run while data is still generated.")
+@click.option("--save-every", "save_every_s", default=180.0, show_default=True, help="Seconds between checkpoints.")
+@click.option("--feature-cache-gb", default=4.0, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--device", default="auto", show_default=True)
+@click.option("--threads", type=int, default=None)
+@click.option("--evaluate-only", is_flag=True, help="Only print the tau estimate of the checkpoint in --out on --eval-data.")
+def train(target, data_dirs, eval_dirs, out_dir, state_dir, layers, block_size, target_layer_ids, num_features, mask_token_id,
+          anchors, batch_seqs, max_len, lr, warmup_steps, max_steps, minutes, gamma, num_negatives, no_vocab_subset,
+          no_feature_scaling, val_every, new_per_step, reload_every, save_every_s, feature_cache_gb, seed, device, threads, evaluate_only):
+    """Distill a DFlash drafter for a target model."""
+    try:
+        from ovdflash_export.train import TrainConfig, evaluate_checkpoint
+        from ovdflash_export.train import train as run_training
+    except ImportError as exc:
+        raise click.ClickException(f"training needs the export extra (torch, transformers): {exc}")
+    if target == "smollm2":
+        from ovdflash_models.fetch import fetch_smollm2
+
+        target = str(fetch_smollm2())
+    if evaluate_only:
+        click.echo(json.dumps(evaluate_checkpoint(out_dir, target, list(eval_dirs or data_dirs), device=device),
+                              indent=1))
+        return
+    if max_steps is None and minutes is None:
+        raise click.UsageError("give --steps or --minutes")
+    cfg = TrainConfig(target=target, data_dirs=list(data_dirs), eval_dirs=list(eval_dirs), out_dir=out_dir, state_dir=state_dir,
+                      num_layers=layers, block_size=block_size, target_layer_ids=_ids(target_layer_ids),
+                      num_features=num_features, mask_token_id=mask_token_id, anchors_per_seq=anchors,
+                      batch_seqs=batch_seqs, max_len=max_len, lr=lr, warmup_steps=warmup_steps, max_steps=max_steps,
+                      minutes=minutes, gamma=gamma, num_negatives=num_negatives, vocab_subset=not no_vocab_subset,
+                      feature_scaling=not no_feature_scaling, val_every=val_every, new_per_step=new_per_step, reload_every=reload_every,
+                      save_every_s=save_every_s,
+                      feature_cache_gb=feature_cache_gb, seed=seed, device=device, threads=threads)
+    out = run_training(cfg, log=lambda s: click.echo(s, err=True))
+    click.echo(str(out))

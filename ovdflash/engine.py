@@ -1,0 +1,144 @@
+"""The speculative loop, on token ids only (no text, no OpenVINO).
+
+Contract:
+- A target runner (`TargetRunner`) holds the target KV cache. `forward(ids, all_logits)` runs
+  the tokens at logical positions `committed..committed+T-1` on top of the cache and returns
+  (logits rows, features): all T rows of logits, or only the last one; features for all T rows.
+  The returned arrays may be views valid until the next call. `commit(n)` keeps the first n of
+  those tokens and rolls the rest back (an OpenVINO runner masks them; no cache copy).
+- A drafter runner (`DrafterRunner`) holds the drafter's context cache. `propose(last, ctx_feats,
+  start, num_drafts)` adds the features of the tokens at positions `start-len(ctx_feats)..start-1`
+  to its context and returns `num_drafts` argmax proposals for positions `start+1..`.
+- `generate(...)` is a generator of `TokenEvent(token, from_draft, finish_reason)`: every token
+  the target committed to, in order, the drafted-and-accepted ones flagged `from_draft`. Each
+  round ends with one target token (`from_draft=False`), so a consumer can flush per block. It
+  stops at EOS (the EOS token is yielded), at exactly `max_new_tokens`, or when the context is
+  full; the last event carries the reason ("stop", "length", "context"). Rounds are lazy: a
+  consumer that stops early (a stop string) never pays for the next round.
+- With no drafter (or draft=False) it is plain autoregressive decoding on the same target and
+  the same sampling function: the baseline that greedy DFlash must match token for token.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Protocol, Sequence
+
+import numpy as np
+
+from .sampling import SamplingParams, accept, sample_token
+from .stats import GenerationStats
+
+
+class TargetRunner(Protocol):
+    committed: int       # logical tokens with KV in the cache
+    max_length: int      # context limit (positions 0..max_length-1)
+    num_compactions: int
+
+    def reset(self) -> None: ...
+    def forward(self, token_ids: np.ndarray, all_logits: bool) -> tuple[np.ndarray, np.ndarray]: ...
+    def commit(self, num_kept: int) -> None: ...
+
+
+class DrafterRunner(Protocol):
+    block_size: int  # the block it was trained with (drafts per round = block_size - 1)
+
+    def reset(self) -> None: ...
+    def propose(self, last: int, ctx_feats: np.ndarray, start: int, num_drafts: int) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token: int
+    from_draft: bool
+    finish_reason: str | None = None  # set on the last event only
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+def speculative_round(target: TargetRunner, drafter: DrafterRunner, last: int, ctx_feats: np.ndarray,
+                      block_size: int, params: SamplingParams, rng: np.random.Generator,
+                      stats: GenerationStats) -> tuple[list[int], int, np.ndarray]:
+    """One DFlash round. Returns (accepted drafts, next target token, features of the committed tokens)."""
+    start = target.committed  # `last` sits at logical position `start`, not yet in the target cache
+    t0 = time.perf_counter()
+    drafts = drafter.propose(last, ctx_feats, start, block_size - 1)   # argmax proposals for start+1..
+    t1 = time.perf_counter()
+    verify_ids = np.concatenate(([last], drafts)).astype(np.int64)
+    logits, feats = target.forward(verify_ids, all_logits=True)       # row i scores position start+i+1
+    num_accepted, next_token = accept(drafts, logits, params, rng)
+    new_feats = np.array(feats[: num_accepted + 1])                   # copy: the view dies next call
+    target.commit(num_accepted + 1)   # rejected slots are masked out, never copied
+    stats.draft_s += t1 - t0
+    stats.verify_s += time.perf_counter() - t1
+    stats.record_round(len(drafts), num_accepted)
+    return [int(d) for d in drafts[:num_accepted]], next_token, new_feats
+
+
+def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Sequence[int],
+             max_new_tokens: int, params: SamplingParams, eos_token_ids: Sequence[int] = (),
+             block_size: int | None = None, stats: GenerationStats | None = None) -> Iterator[TokenEvent]:
+    """Speculative (drafter given, block_size >= 2) or autoregressive generation; see module doc."""
+    stats = stats if stats is not None else GenerationStats()
+    prompt = np.asarray(prompt_ids, dtype=np.int64)
+    if len(prompt) == 0:
+        raise ValueError("empty prompt")
+    if len(prompt) >= target.max_length:
+        raise PromptTooLongError(f"prompt has {len(prompt)} tokens; the model's context limit is "
+                                 f"{target.max_length} (prompt + at least 1 new token must fit)")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    block_size = drafter.block_size if (drafter is not None and block_size is None) else (block_size or 1)
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    eos = set(int(t) for t in eos_token_ids)
+    rng = params.make_rng()
+    t_start = time.perf_counter()
+    stats.num_calls += 1
+    stats.num_prompt_tokens += len(prompt)
+    compactions_before = target.num_compactions
+
+    target.reset()
+    if drafter is not None:
+        drafter.reset()
+    logits, feats = target.forward(prompt, all_logits=False)
+    target.commit(len(prompt))
+    last = sample_token(logits[-1], params, rng)
+    ctx_feats = np.array(feats)
+    stats.prefill_s += time.perf_counter() - t_start
+
+    num_out = 0
+    pending = [(last, False)]
+    try:
+        while True:
+            for i, (token, from_draft) in enumerate(pending):
+                num_out += 1
+                stats.num_output_tokens += 1
+                if num_out == 1:
+                    stats.ttft_s += time.perf_counter() - t_start
+                # the sequence so far is committed + 1 tokens (`last` has no KV yet)
+                context_full = i == len(pending) - 1 and target.committed >= target.max_length - 1
+                reason = ("stop" if token in eos else "length" if num_out == max_new_tokens
+                          else "context" if context_full else None)
+                yield TokenEvent(token, from_draft, reason)
+                if reason:
+                    return
+            # never verify past the context limit nor past max_new_tokens: no wasted rounds
+            block = min(block_size, max_new_tokens - num_out, target.max_length - 1 - target.committed)
+            if drafter is None or block < 2:
+                logits, feats = target.forward(np.array([last], dtype=np.int64), all_logits=True)
+                target.commit(1)
+                last = sample_token(logits[0], params, rng)
+                stats.num_ar_steps += 1
+                if drafter is not None:  # keep the drafter's context complete for later rounds
+                    ctx_feats = np.concatenate([ctx_feats, feats[:1]])
+                pending = [(last, False)]
+            else:
+                accepted, last, ctx_feats = speculative_round(target, drafter, last, ctx_feats, block,
+                                                              params, rng, stats)
+                pending = [(t, True) for t in accepted] + [(last, False)]
+    finally:  # also runs when the consumer stops early (stop string, Ctrl-C)
+        stats.num_compactions += target.num_compactions - compactions_before
+        stats.total_s += time.perf_counter() - t_start

@@ -1,0 +1,185 @@
+"""OpenVINO runners: the compiled target and drafter behind the engine's runner interfaces.
+
+Contract:
+- `compile_runners(model_dir, manifest, device, config, with_drafter)` reads the saved IRs,
+  applies `graphs.drafter_for_runtime` / `graphs.target_for_runtime`, compiles with CACHE_DIR
+  set, and returns (OVTarget, OVDrafter | None). When `drafter/draft_vocab.json` exists (and
+  `use_draft_vocab`), the drafter's head is restricted to that draft vocabulary.
+- `OVTarget` implements `engine.TargetRunner` on the stateful target. Rollback is mask-based:
+  a host-side physical 0/1 attention mask (rejected slots set to 0) with logical position_ids,
+  so a rejected draft costs nothing and the KV cache is never copied per round. When the
+  garbage (masked slots) exceeds `compact_fraction` of the cache and `compact_min_garbage`
+  slots, `commit` compacts: every state is read once, the kept slots gathered into a dense
+  tensor and written back. `state_reads`/`state_writes` count these, so tests can prove that
+  ordinary rounds touch no state. Logits are computed only for the requested rows (prefill:
+  the last row), and returned arrays are views into the output tensors, valid until the next
+  call.
+- `OVDrafter` implements `engine.DrafterRunner`: it feeds the block `[last, mask*(B-1)]` as ids,
+  the new context features, positions and an all-ones mask, and reads back only `draft_tokens`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+
+from . import graphs
+
+TARGET_XML = "target/openvino_model.xml"
+DRAFTER_XML = "drafter/openvino_model.xml"
+DRAFT_VOCAB = "drafter/draft_vocab.json"
+
+
+def kv_seq_axes(model: ov.Model) -> dict[str, int]:
+    """Variable id -> sequence axis of its state (the dynamic axis that is not the beam axis 0)."""
+    axes = {}
+    for op in model.get_ops():
+        if op.get_type_name() != "ReadValue":
+            continue
+        shape = op.get_output_partial_shape(0)
+        dynamic = [i for i in range(shape.rank.get_length()) if shape[i].is_dynamic and i != 0]
+        axes[op.get_variable_id()] = dynamic[0] if len(dynamic) == 1 else 2
+    return axes
+
+
+class OVTarget:
+    def __init__(self, compiled: ov.CompiledModel, max_length: int, seq_axes: dict[str, int] | None = None,
+                 compact_fraction: float = 0.25, compact_min_garbage: int = 64):
+        self.compiled = compiled
+        self.request = compiled.create_infer_request()
+        self.max_length = max_length
+        self.seq_axes = seq_axes or {}
+        self.compact_fraction = compact_fraction
+        self.compact_min_garbage = compact_min_garbage
+        self.logits_out = compiled.output("logits")
+        self.hidden_out = compiled.output("target_hidden")
+        # reused host buffers: inputs are views into these (share_inputs=True: no copies)
+        self.positions = np.arange(max_length + 1, dtype=np.int64)[None, :]
+        self.mask = np.ones((1, 256), dtype=np.int64)
+        self.row_indices = np.arange(256, dtype=np.int64)
+        self.beam_idx = np.zeros(1, dtype=np.int32)
+        self.state_reads = 0
+        self.state_writes = 0
+        self.num_compactions = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.request.reset_state()
+        self.committed = 0  # logical length
+        self.physical = 0   # slots in the KV cache, masked ones included
+        self.pending = 0    # tokens of the last forward not yet committed
+
+    @property
+    def garbage(self) -> int:
+        return self.physical - self.committed - self.pending
+
+    def forward(self, token_ids: np.ndarray, all_logits: bool) -> tuple[np.ndarray, np.ndarray]:
+        assert self.pending == 0, "commit() the previous forward first"
+        num = len(token_ids)
+        end = self.physical + num
+        if end > self.mask.shape[1]:
+            grown = np.ones((1, max(2 * self.mask.shape[1], end)), dtype=np.int64)
+            grown[:, : self.physical] = self.mask[:, : self.physical]
+            self.mask = grown
+        self.mask[0, self.physical:end] = 1
+        if all_logits:
+            if num > len(self.row_indices):
+                self.row_indices = np.arange(num, dtype=np.int64)
+            rows = self.row_indices[:num]
+        else:
+            rows = np.array([num - 1], dtype=np.int64)
+        self.request.infer({
+            "input_ids": np.ascontiguousarray(token_ids, dtype=np.int64).reshape(1, num),
+            "attention_mask": self.mask[:, :end],
+            "position_ids": self.positions[:, self.committed:self.committed + num],  # logical
+            "beam_idx": self.beam_idx,
+            "logits_indices": rows,
+        }, share_inputs=True, share_outputs=True)
+        self.physical, self.pending = end, num
+        return self.request.get_tensor(self.logits_out).data[0], self.request.get_tensor(self.hidden_out).data[0]
+
+    def commit(self, num_kept: int) -> None:
+        """Keep the first num_kept tokens of the last forward; mask out the rest (no cache copy)."""
+        assert 0 < num_kept <= self.pending
+        self.mask[0, self.physical - self.pending + num_kept:self.physical] = 0
+        self.committed += num_kept
+        self.pending = 0
+        if self.garbage >= max(self.compact_min_garbage, self.compact_fraction * self.physical):
+            self.compact()
+
+    def compact(self) -> None:
+        """Drop the masked slots from every state: one dense read and write per state."""
+        keep = np.flatnonzero(self.mask[0, : self.physical])
+        for state in self.request.query_state():
+            tensor = state.state  # a dequantized f32 copy of the whole cache (expensive: rare)
+            value = tensor.data
+            self.state_reads += 1
+            axis = self.seq_axes.get(state.name, 2)
+            assert value.shape[axis] == self.physical, (state.name, value.shape, self.physical)
+            # a dense tensor: ROI tensors set as state corrupt u8 caches (openvino.md §7)
+            state.state = ov.Tensor(np.ascontiguousarray(np.take(value, keep, axis=axis)))
+            self.state_writes += 1
+        self.physical = len(keep)
+        self.mask[0, : self.physical] = 1
+        self.num_compactions += 1
+
+
+class OVDrafter:
+    def __init__(self, compiled: ov.CompiledModel, block_size: int, mask_token_id: int, max_length: int):
+        self.compiled = compiled
+        self.request = compiled.create_infer_request()
+        self.block_size = block_size
+        self.mask_token_id = mask_token_id
+        self.tokens_out = compiled.output("draft_tokens")
+        self.positions = np.arange(max_length + 1, dtype=np.int64)[None, :]
+        self.ones = np.ones((1, max_length + 1), dtype=np.int64)
+        self.block = np.full((1, 256), mask_token_id, dtype=np.int64)
+        self.beam_idx = np.zeros(1, dtype=np.int32)
+        self.reset()
+
+    def reset(self) -> None:
+        self.request.reset_state()
+        self.context_len = 0  # positions whose features are in the drafter state
+
+    def propose(self, last: int, ctx_feats: np.ndarray, start: int, num_drafts: int) -> np.ndarray:
+        num_ctx, block = len(ctx_feats), num_drafts + 1
+        if self.context_len + num_ctx != start:
+            raise RuntimeError(f"drafter context out of sync: {self.context_len} + {num_ctx} != {start}")
+        if block > self.block.shape[1]:
+            self.block = np.full((1, block), self.mask_token_id, dtype=np.int64)
+        self.block[0, 0] = last
+        self.request.infer({
+            "input_ids": self.block[:, :block],
+            "hidden_states": np.ascontiguousarray(ctx_feats, dtype=np.float32)[None],
+            "position_ids": self.positions[:, start - num_ctx:start + block],
+            "attention_mask": self.ones[:, : start + block],
+            "beam_idx": self.beam_idx,
+        }, share_inputs=True, share_outputs=True)
+        self.context_len = start
+        return self.request.get_tensor(self.tokens_out).data[0].copy()
+
+
+def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", config: dict | None = None,
+                    with_drafter: bool = True, core: ov.Core | None = None, use_draft_vocab: bool = True,
+                    **target_options) -> tuple[OVTarget, OVDrafter | None]:
+    """Read, adapt and compile the pair. `config` goes to compile_model (CACHE_DIR included)."""
+    model_dir = Path(model_dir)
+    core = core or ov.Core()
+    target_model = core.read_model(model_dir / TARGET_XML)
+    seq_axes = kv_seq_axes(target_model)
+    drafter = None
+    if with_drafter:
+        drafter_model = core.read_model(model_dir / DRAFTER_XML)
+        # graft before the target is edited: the drafter reuses the target's embedding and lm_head nodes
+        vocab_path = model_dir / DRAFT_VOCAB
+        draft_vocab = graphs.read_draft_vocab(vocab_path) if use_draft_vocab and vocab_path.exists() else None
+        graphs.drafter_for_runtime(drafter_model, target_model, draft_vocab)
+    graphs.target_for_runtime(target_model, manifest["target_layer_ids"])
+    max_length = int(manifest["max_position_embeddings"])
+    target = OVTarget(core.compile_model(target_model, device, config or {}), max_length, seq_axes,
+                      **target_options)
+    if with_drafter:
+        drafter = OVDrafter(core.compile_model(drafter_model, device, config or {}),
+                            int(manifest["block_size"]), int(manifest["mask_token_id"]), max_length)
+    return target, drafter

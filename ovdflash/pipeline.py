@@ -1,0 +1,241 @@
+"""DFlashPipeline: the public object. Text in, text out, lossless speculative decoding inside.
+
+Contract:
+- `DFlashPipeline.from_pretrained(model_dir=None, device="CPU", draft=True, cache_dir=None,
+  **compile_options)` reads an exported directory (docs/DESIGN.md: manifest.json, target/,
+  drafter/, tokenizer files) and compiles both models with CACHE_DIR set. No directory = the
+  embedded default model (`ovdflash_models.default.ensure_default_model()`). `draft=False`
+  compiles the target only (autoregressive baseline). `use_draft_vocab=False` ignores a
+  shipped `drafter/draft_vocab.json` (full-vocabulary drafting head).
+- `generate(prompt_or_messages, max_new_tokens, temperature, top_p, top_k, seed, stop,
+  block_size, draft)` -> `GenerationResult(text, token_ids, finish_reason, stats)`.
+  `stream(...)` yields text once per accepted block (the same text, in pieces). `draft=None`
+  uses the drafter when one is loaded; `draft=False` (or block_size=1) is plain autoregressive.
+  `generate_tokens(prompt_ids, ...)` is the token-level API (engine.TokenEvent per token).
+- A prompt is a string (encoded with the tokenizer's special tokens, and the manifest's
+  `bos_token_id` in front if the tokenizer did not add it), a list of chat messages (rendered
+  with the chat template, which carries its own special tokens), or a list of token ids.
+- Stops: an EOS id ends generation at that token (kept in token_ids, not in text); a stop
+  string ends it at the token that completes it, mid-block or not, and is cut from the text;
+  streaming holds back text that could be the start of a stop string. `max_new_tokens` is
+  exact. Tokens equal to `mask_token_id` are ordinary output.
+- Stats: `last_stats` for the latest call, `stats` cumulative (ovdflash.stats).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from . import engine
+from .sampling import SamplingParams
+from .stats import GenerationStats
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+FORMAT = "ovdflash/1"
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "ovdflash" / "ov_cache"
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or stop string), "length" (max_new_tokens), "context"
+    stats: GenerationStats
+
+
+def load_manifest(model_dir: Path) -> dict:
+    path = model_dir / "manifest.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{model_dir} is not an ovdflash model directory (no manifest.json); "
+                                "create one with `ovdflash export`")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def default_model_dir() -> Path:
+    try:
+        from ovdflash_models.default import ensure_default_model
+    except ImportError as exc:
+        raise RuntimeError("no model directory given and the embedded default model is not available "
+                           f"({exc}); pass a directory made by `ovdflash export`") from exc
+    return Path(ensure_default_model())
+
+
+def default_compile_config(manifest: dict) -> dict:
+    """The plugin's defaults, plus the manifest's optional `compile_options`; for SmolLM2 also
+    f32 inference (bf16 hurts it) and an f16 KV cache: with u8 KV, verify rows attend to fresh
+    K/V while AR steps read quantized K/V, and greedy DFlash differed from AR on 4/10 SmolLM2
+    prompts (near-ties); f16 KV: 0/10, at no measurable speed cost for a 135M model.
+    For every model, CPU pinning off: on a 2-core VM shared with other jobs, 2 pinned threads
+    gave SmolLM2 AR 20.1 tok/s and a K=8 verify 110 ms, unpinned 25.9 tok/s and 66 ms
+    (docs/BENCHMARKS.md, Knobs); a quiet many-core machine is not measured yet."""
+    config = dict(manifest.get("compile_options", {}))
+    config.setdefault("ENABLE_CPU_PINNING", False)
+    if "smollm2" in str(manifest.get("target", {}).get("source", "")).lower():
+        config.setdefault("INFERENCE_PRECISION_HINT", "f32")
+        config.setdefault("KV_CACHE_PRECISION", "f16")
+    return config
+
+
+class DFlashPipeline:
+    def __init__(self, target, drafter, tokenizer: Tokenizer | None, eos_token_ids: Sequence[int],
+                 block_size: int, mask_token_id: int | None = None, model_dir: Path | None = None,
+                 bos_token_id: int | None = None):
+        self.target = target
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        self.eos_token_ids = list(eos_token_ids)
+        self.block_size = block_size
+        self.mask_token_id = mask_token_id
+        self.model_dir = model_dir
+        self.bos_token_id = bos_token_id  # prepended to plain-text prompts when the tokenizer does not
+        self.stats = GenerationStats()       # cumulative
+        self.last_stats = GenerationStats()  # latest call
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path | None = None, device: str = "CPU", draft: bool = True,
+                        cache_dir: str | Path | None = None, use_draft_vocab: bool = True,
+                        **compile_options) -> "DFlashPipeline":
+        from .ov_models import compile_runners  # openvino is only needed from here on
+
+        model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+        manifest = load_manifest(model_dir)
+        config = default_compile_config(manifest)
+        config.update(compile_options)
+        config.setdefault("CACHE_DIR", str(cache_dir or DEFAULT_CACHE_DIR))
+        target, drafter = compile_runners(model_dir, manifest, device, config, with_drafter=draft,
+                                          use_draft_vocab=use_draft_vocab)
+        tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
+        return cls(target, drafter, tokenizer, manifest.get("eos_token_ids", []), int(manifest["block_size"]),
+                   manifest.get("mask_token_id"), model_dir, manifest.get("bos_token_id"))
+
+    # -- token level ---------------------------------------------------------------------------
+    def generate_tokens(self, prompt_ids: Sequence[int], max_new_tokens: int = 256, temperature: float = 0.0,
+                        top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                        block_size: int | None = None, draft: bool | None = None,
+                        eos_token_ids: Sequence[int] | None = None,
+                        stats: GenerationStats | None = None) -> Iterator[engine.TokenEvent]:
+        params = SamplingParams(temperature, top_p, top_k, seed)
+        if draft and self.drafter is None:
+            raise ValueError("draft=True, but this pipeline was loaded without a drafter")
+        use_drafter = self.drafter if draft is not False and (block_size is None or block_size > 1) else None
+        if use_drafter is not None and block_size is None:
+            block_size = self.block_size
+        eos = self.eos_token_ids if eos_token_ids is None else eos_token_ids
+        call_stats = GenerationStats()
+        events = engine.generate(self.target, use_drafter, prompt_ids, max_new_tokens, params, eos,
+                                 block_size if use_drafter is not None else 1, call_stats)
+        return self._recorded(events, call_stats, stats)
+
+    def _recorded(self, events, call_stats: GenerationStats, caller_stats: GenerationStats | None):
+        try:
+            yield from events
+        finally:  # finished, broken off, or interrupted: the engine has recorded its times
+            events.close()
+            self.last_stats = call_stats
+            self.stats.merge(call_stats)
+            if caller_stats is not None:
+                caller_stats.merge(call_stats)
+
+    def warm_up(self, num_tokens: int = 4) -> None:
+        """One short generation, so first-call costs (worker threads, first-shape kernels) are paid now."""
+        prompt = [self.eos_token_ids[0] if self.eos_token_ids else 0]
+        kept = self.stats, self.last_stats  # a warm-up is not a user call: leave the stats alone
+        self.stats = GenerationStats()
+        for _ in self.generate_tokens(prompt, num_tokens, eos_token_ids=()):
+            pass
+        self.stats, self.last_stats = kept
+
+    # -- text level ----------------------------------------------------------------------------
+    def encode_prompt(self, prompt_or_messages) -> list[int]:
+        if isinstance(prompt_or_messages, str):
+            ids = self._tok().encode(prompt_or_messages)
+            if self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+                ids = [self.bos_token_id] + ids
+            return ids
+        items = list(prompt_or_messages)
+        if items and all(isinstance(m, dict) for m in items):
+            return self._tok().encode_chat(items)
+        if all(isinstance(t, int) for t in items):
+            return items
+        raise TypeError("prompt must be a string, a list of chat messages, or a list of token ids")
+
+    def _tok(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("this pipeline has no tokenizer; use generate_tokens()")
+        return self.tokenizer
+
+    def _blocks(self, prompt_or_messages, stop, result, **kwargs) -> Iterator[str]:
+        """Text per accepted block; fills `result` (token_ids, text, finish_reason) as it goes."""
+        stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+        prompt_ids = self.encode_prompt(prompt_or_messages)
+        detok = IncrementalDetokenizer(self._tok())
+        eos = set(self.eos_token_ids if kwargs.get("eos_token_ids") is None else kwargs["eos_token_ids"])
+        events = self.generate_tokens(prompt_ids, **kwargs)
+        text, emitted = "", 0
+        try:
+            for event in events:
+                result.token_ids.append(event.token)
+                delta = detok.add([event.token]) if event.token not in eos else ""
+                if event.finish_reason:
+                    delta += detok.flush()
+                text += delta
+                cut = _find_stop(text, len(text) - len(delta), stops)
+                if cut is not None:  # this token completed a stop string: end here, mid-block or not
+                    text, result.finish_reason = text[:cut], "stop"
+                    break
+                result.finish_reason = event.finish_reason
+                if not event.from_draft or event.finish_reason:  # end of an accepted block
+                    safe = len(text) if event.finish_reason else len(text) - _held_back(text, stops)
+                    if safe > emitted:
+                        yield text[emitted:safe]
+                        emitted = safe
+        finally:
+            events.close()  # also on Ctrl-C / consumer break: stats are recorded on close
+            result.text = text
+            result.stats = self.last_stats
+        if len(text) > emitted:
+            yield text[emitted:]
+
+    def stream(self, prompt_or_messages, max_new_tokens: int = 256, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
+               block_size: int | None = None, draft: bool | None = None) -> Iterator[str]:
+        result = GenerationResult("", [], "", GenerationStats())
+        yield from self._blocks(prompt_or_messages, stop, result, max_new_tokens=max_new_tokens,
+                                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                block_size=block_size, draft=draft)
+
+    def generate(self, prompt_or_messages, max_new_tokens: int = 256, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
+                 block_size: int | None = None, draft: bool | None = None) -> GenerationResult:
+        result = GenerationResult("", [], "", GenerationStats())
+        for _ in self._blocks(prompt_or_messages, stop, result, max_new_tokens=max_new_tokens,
+                              temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                              block_size=block_size, draft=draft):
+            pass
+        return result
+
+
+def _find_stop(text: str, new_from: int, stops: list[str]) -> int | None:
+    """Start of the earliest stop string that ends in the new text, or None."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, new_from - len(s) + 1))
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of a stop string."""
+    longest = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:n]):
+                longest = n
+                break
+    return longest

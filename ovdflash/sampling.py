@@ -1,0 +1,137 @@
+"""Token selection and speculative acceptance, in pure numpy.
+
+Contract:
+- `SamplingParams` validates temperature / top_p / top_k / seed. temperature == 0 means greedy.
+  A value that cannot be honoured exactly raises ValueError; nothing is silently ignored.
+- `warp_probs(logits, params)` is THE target distribution: temperature, then top-k, then top-p
+  (the order HF and vLLM use). Plain autoregressive sampling and speculative acceptance both go
+  through it, so the two modes sample from the same distribution by construction.
+- `accept_greedy(drafts, target_argmax)`: longest prefix where draft == target argmax, then the
+  target's own token. Returns (num_accepted, next_token).
+- `accept_sampled(drafts, target_logits, params, rng)`: exact speculative sampling with the
+  drafter's argmax as a one-hot proposal q. Leviathan et al. with q = onehot(d): accept d with
+  probability min(1, p(d)/q(d)) = p(d); on rejection sample from norm(max(p - q, 0)), which is p
+  with d removed and renormalised; all accepted -> a bonus sample from the last row. Every
+  emitted token is therefore distributed exactly as a plain autoregressive sample.
+Rows of `target_logits`: row i is the target's prediction for the token after the i-th verified
+token, so row i scores draft i (0-based) and row len(drafts) scores the bonus.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy (argmax)
+    top_p: float = 1.0        # nucleus mass in (0, 1]; 1 = off
+    top_k: int = 0            # keep the k most likely tokens; 0 = off
+    seed: int | None = None   # numpy Generator seed; None = fresh entropy
+
+    def __post_init__(self):
+        t, p, k = self.temperature, self.top_p, self.top_k
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0.0 < p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
+        if self.seed is not None and (not isinstance(self.seed, (int, np.integer)) or self.seed < 0):
+            raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        # top-k and top-p always keep the argmax, so greedy honours them exactly.
+        return self.temperature == 0
+
+    def make_rng(self) -> np.random.Generator:
+        return np.random.default_rng(self.seed)
+
+
+def warp_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Target distribution of one logits row [V] after temperature, top-k, top-p (float64)."""
+    if params.greedy:
+        raise ValueError("warp_probs needs temperature > 0 (greedy uses argmax)")
+    x = np.asarray(logits, dtype=np.float64) / params.temperature
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth_largest = np.partition(x, vocab - params.top_k)[vocab - params.top_k]
+        x = np.where(x < kth_largest, -np.inf, x)  # ties with the k-th are kept (as HF does)
+    x = x - x.max()
+    probs = np.exp(x)
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        probs = _nucleus(probs, params.top_p)
+    return probs
+
+
+def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Top-p: keep the smallest most-likely prefix whose mass reaches top_p, renormalised.
+
+    Same result as a full stable sort (ties by lower id first), but sorts only a candidate set:
+    the m most likely tokens plus ties, grown until the cut falls inside it (real vocabularies are
+    ~50k-150k; a full argsort per row would cost more than a verify pass).
+    """
+    vocab, m = len(probs), 64
+    while True:
+        mth_largest = np.partition(probs, vocab - m)[vocab - m] if m < vocab else 0.0
+        complete = mth_largest == 0.0  # the candidates are the whole support (zeros never matter)
+        # ties with the m-th largest are included, so the set is a prefix of the sorted order
+        candidates = np.flatnonzero(probs > 0.0) if complete else np.flatnonzero(probs >= mth_largest)
+        order = candidates[np.lexsort((candidates, -probs[candidates]))]
+        sorted_probs = probs[order]
+        mass_before = np.cumsum(sorted_probs) - sorted_probs
+        kept = order[mass_before < top_p]  # a token is kept if the mass before it is < top_p
+        if len(kept) < len(order) or complete:
+            break
+        m *= 4
+    out = np.zeros_like(probs)
+    out[kept] = probs[kept]
+    return out / out.sum()
+
+
+def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One draw from a probability vector (inverse CDF; one uniform per draw)."""
+    cdf = np.cumsum(probs)
+    idx = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    idx = min(idx, len(probs) - 1)
+    while probs[idx] == 0.0:  # rounding at the top end of the CDF: step back onto a live token
+        idx -= 1
+    return idx
+
+
+def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """Plain autoregressive choice from one logits row."""
+    if params.greedy:
+        return int(np.argmax(logits))
+    return sample_from(warp_probs(logits, params), rng)
+
+
+def accept_greedy(drafts: np.ndarray, target_argmax: np.ndarray) -> tuple[int, int]:
+    """(a, next_token): drafts[:a] match the target's argmax, next_token = target_argmax[a]."""
+    mismatch = np.flatnonzero(np.asarray(drafts) != np.asarray(target_argmax[: len(drafts)]))
+    a = int(mismatch[0]) if len(mismatch) else len(drafts)
+    return a, int(target_argmax[a])
+
+
+def accept_sampled(drafts: np.ndarray, target_logits: np.ndarray, params: SamplingParams,
+                   rng: np.random.Generator) -> tuple[int, int]:
+    """(a, next_token) by exact speculative sampling with a one-hot proposal (see module doc)."""
+    for i, d in enumerate(drafts):
+        p = warp_probs(target_logits[i], params)  # rows are warped lazily: stop at the first rejection
+        if rng.random() < p[d]:
+            continue
+        p[d] = 0.0  # residual norm(max(p - onehot(d), 0)) = p without d
+        return i, sample_from(p / p.sum(), rng)
+    return len(drafts), sample_from(warp_probs(target_logits[len(drafts)], params), rng)
+
+
+def accept(drafts: np.ndarray, target_logits: np.ndarray, params: SamplingParams,
+           rng: np.random.Generator) -> tuple[int, int]:
+    """Dispatch: greedy prefix match or exact speculative sampling."""
+    if params.greedy:
+        return accept_greedy(drafts, np.argmax(target_logits[: len(drafts) + 1], axis=-1))
+    return accept_sampled(drafts, target_logits, params, rng)

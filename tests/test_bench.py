@@ -1,0 +1,113 @@
+"""`ovdflash bench` end to end on the tiny pair (fast: a few short interleaved runs).
+
+Checks real content, not just that it ran: every mode ran every prompt every repetition,
+in an order rotated per repetition; speedup and cost reduction follow from the medians; under
+STRICT_F32 every mode (genai's autoregressive LLMPipeline included) produces exactly the
+tokens of our `ar` mode; the CLI writes bench.json and a PNG.
+"""
+import json
+import statistics
+
+import pytest
+from click.testing import CliRunner
+
+from ovdflash import STRICT_F32
+from ovdflash.bench import Run, bench, run_benchmark, summarize
+
+try:
+    import openvino_genai  # noqa: F401
+    HAVE_GENAI = True
+except ImportError:
+    HAVE_GENAI = False
+
+
+@pytest.fixture(scope="module")
+def result(tiny_pair, tmp_path_factory):
+    modes = ["dflash", "ar"] + (["genai-ar"] if HAVE_GENAI else [])
+    config = {**STRICT_F32, "CACHE_DIR": str(tmp_path_factory.mktemp("ov_cache")), "INFERENCE_NUM_THREADS": 1}
+    return run_benchmark(tiny_pair, ["code"], num_prompts=2, max_new_tokens=12, modes=modes, block_sizes=[2, 4],
+                         repetitions=2, warmup=0, config=config)
+
+
+def test_every_mode_runs_every_prompt_interleaved(result):
+    expected = ["dflash@2", "dflash@4", "ar"] + (["genai-ar"] if HAVE_GENAI else [])
+    assert result["modes"] == expected
+    runs = result["runs"]
+    assert len(runs) == len(expected) * 2 * 2   # modes x prompts x repetitions
+    # repetition 0 starts with the first mode, repetition 1 with the second (rotation)
+    per_prompt = len(expected)
+    assert runs[0]["mode"] == expected[0] and runs[2 * per_prompt]["mode"] == expected[1]
+    assert all(1 <= r["tokens"] <= 12 for r in runs)  # 12 unless the model emitted EOS
+    assert all(r["foreign_cores"] >= 0 for r in runs)
+
+
+def test_summary_arithmetic(result):
+    data = result["prompt_sets"]["code"]
+    modes = data["modes"]
+    wall = {}
+    for r in result["runs"]:
+        wall.setdefault(r["mode"], []).append(r["tokens"] / r["wall_s"])
+    for name, rates in wall.items():  # medians of per-run tok/s (JSON rounds wall_s to 0.1 ms)
+        assert modes[name]["tokens_per_s"] == pytest.approx(statistics.median(rates), rel=0.02)
+    best = max(modes[m]["tokens_per_s"] for m in ("ar", "genai-ar") if m in modes)
+    assert data["best_ar_tokens_per_s"] == best
+    for b in (2, 4):
+        e = modes[f"dflash@{b}"]
+        assert e["speedup"] == pytest.approx(e["tokens_per_s"] / best)
+        assert e["cost_reduction_per_token"] == pytest.approx(1 - 1 / e["speedup"])
+        assert data["ratios"][f"dflash@{b} / best AR"] == pytest.approx(e["speedup"])
+        # blocks shrink near max_new_tokens, never grow
+        assert e["num_drafts"] <= e["num_draft_tokens"] <= (b - 1) * e["num_drafts"]
+        assert 0 <= e["num_accepted_tokens"] <= e["num_draft_tokens"]
+        assert e["mean_acceptance_length"] == pytest.approx((e["num_accepted_tokens"] + e["num_drafts"])
+                                                            / e["num_drafts"])
+        assert len(e["per_position_acceptance_rate"]) == b - 1
+        assert e["draft_ms_per_round"] > 0 and e["verify_ms_per_round"] > 0
+    assert "speedup" not in modes["ar"] and "num_drafts" not in modes["ar"]
+    if HAVE_GENAI:
+        assert data["ratios"]["ar / genai-ar"] == pytest.approx(modes["ar"]["tokens_per_s"]
+                                                               / modes["genai-ar"]["tokens_per_s"])
+
+
+def test_lossless_agreement_under_strict_numerics(result):
+    assert result["agreement"] and set(result["agreement"].values()) == {1.0}
+    assert set(result["agreement"]) == set(result["modes"])
+
+
+def test_agreement_detects_a_different_output():
+    runs = [Run("ar", "code", 0, 3, 1.0, 0.1, [1, 2, 3], {"tpot_ms": 1.0}),
+            Run("ar", "code", 1, 3, 1.0, 0.1, [4, 5, 6], {"tpot_ms": 1.0}),
+            Run("genai-ar", "code", 0, 3, 0.5, 0.1, [1, 2, 3]),
+            Run("genai-ar", "code", 1, 3, 0.5, 0.1, [4, 5, 7])]
+    out = summarize(runs, ["ar", "genai-ar"], ["code"], [])
+    assert out["agreement"] == {"ar": 1.0, "genai-ar": 0.5}
+    assert out["prompt_sets"]["code"]["best_ar_tokens_per_s"] == 6.0
+    assert out["prompt_sets"]["code"]["ratios"]["ar / genai-ar"] == 0.5
+
+
+def test_cli_writes_json_and_png(tiny_pair, tmp_path):
+    out = tmp_path / "bench"
+    res = CliRunner().invoke(bench, [str(tiny_pair), "--prompt-sets", "math", "-n", "1", "--max-new-tokens", "6",
+                                     "--modes", "dflash,ar", "--block-sizes", "4", "--repetitions", "1",
+                                     "--warmup", "0", "--no-memory", "--out", str(out),
+                                     "--config", json.dumps({**STRICT_F32, "CACHE_DIR": str(tmp_path / "c")})])
+    assert res.exit_code == 0, res.output
+    data = json.loads((out / "bench.json").read_text())
+    assert data["settings"]["max_new_tokens"] == 6 and set(data["prompt_sets"]) == {"math"}
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "GSM8K is not on PyPI" in res.output and "dflash@4" in res.output
+
+
+@pytest.mark.skipif(not HAVE_GENAI, reason="openvino_genai is not installed")
+def test_export_writes_an_openvino_tokenizer_that_genai_reads(tiny_pair):
+    import openvino_genai as og
+
+    from ovdflash.tokenizer import Tokenizer
+
+    assert (tiny_pair / "target/openvino_tokenizer.xml").is_file()
+    assert (tiny_pair / "target/openvino_detokenizer.xml").is_file()
+    text = "def add(a, b):\n    return a + b  # The quick brown fox"
+    ours = Tokenizer.from_dir(tiny_pair).encode(text, add_special_tokens=False)
+    theirs = og.Tokenizer(str(tiny_pair / "target")).encode(text, add_special_tokens=False).input_ids.data[0]
+    assert list(theirs) == ours
+    assert og.Tokenizer(str(tiny_pair / "target")).decode(ours) == text

@@ -1,0 +1,91 @@
+"""`ovdflash export`: an end-to-end compressed export, and one-line validation errors.
+
+A pair that does not fit (vocab, hidden size, fc width, layer ids, num_target_layers, mask
+id) prints one line `Error: ...`, exits with code 2 and creates nothing.
+"""
+import json
+
+import openvino as ov
+import pytest
+from click.testing import CliRunner
+
+from ovdflash.cli import main
+
+
+def _export(*args):
+    return CliRunner().invoke(main, ["export", *map(str, args)])
+
+
+def test_cli_export_compressed_with_block_size(tiny_sources, tmp_path):
+    target, drafter = tiny_sources()
+    out = tmp_path / "model"
+    result = _export("--target", target, "--drafter", drafter, "--out", out,
+                     "--target-weight-format", "int8", "--drafter-weight-format", "int4", "--block-size", 3)
+    assert result.exit_code == 0, result.output
+    for name in ("manifest.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "target/openvino_model.xml", "target/config.json", "drafter/openvino_model.xml",
+                 "drafter/config.json"):
+        assert (out / name).is_file(), name
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["format"] == "ovdflash/1" and m["block_size"] == 3
+    assert m["target"]["weight_format"] == "int8" and m["drafter"]["weight_format"] == "int4"
+    assert m["eos_token_ids"] == [2] and m["bos_token_id"] is None  # <|im_end|> of the tiny tokenizer
+    assert len(m["target"]["source_sha256"]) == 64 and "openvino" in m["versions"]
+    d_ir = ov.Core().read_model(str(out / "drafter" / "openvino_model.xml"))
+    assert d_ir.get_rt_info(["dflash", "block_size"]).astype(str) == "3"
+    assert json.loads((out / "drafter" / "config.json").read_text())["block_size"] == 3
+    tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
+    assert "<|im_start|>" in tok_cfg["chat_template"] and tok_cfg["eos_token"] == "<|im_end|>"
+
+
+BAD_DRAFTERS = {
+    "vocab": (dict(vocab_size=600), "vocab size mismatch"),
+    "hidden": (dict(hidden_size=32, intermediate_size=64), "hidden size mismatch"),
+    "fc_width": (dict(target_hidden_size=32), "drafter fc takes"),
+    "layer_ids": (dict(target_layer_ids=[1, 9]), "outside the target's 4 layers"),
+    "num_target_layers": (dict(num_target_layers=8), "built for 8 target layers"),
+    "mask": (dict(mask_token_id=512), "mask_token_id 512 is outside the vocab"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DRAFTERS))
+def test_cli_rejects_mismatched_pair(tiny_sources, tmp_path, case):
+    from ovdflash_export.tiny import make_tiny_drafter
+
+    target, _ = tiny_sources()
+    overrides, message = BAD_DRAFTERS[case]
+    drafter = make_tiny_drafter(target, tmp_path / "bad", **overrides)
+    out = tmp_path / "out"
+    result = _export("--target", target, "--drafter", drafter, "--out", out)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], result.output
+    assert not out.exists()
+    assert not list(tmp_path.glob(".out.*"))  # no temp directory left behind
+
+
+def test_cli_rejects_unknown_weight_format(tiny_sources, tmp_path):
+    target, drafter = tiny_sources()
+    result = _export("--target", target, "--drafter", drafter, "--out", tmp_path / "o", "--target-weight-format", "int3")
+    assert result.exit_code == 2 and not (tmp_path / "o").exists()
+
+
+def test_cli_rejects_missing_config(tiny_sources, tmp_path):
+    _, drafter = tiny_sources()
+    (tmp_path / "empty").mkdir()
+    result = _export("--target", tmp_path / "empty", "--drafter", drafter, "--out", tmp_path / "o")
+    assert result.exit_code == 2 and result.output.startswith("Error: ") and "config.json" in result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_module_imports_no_torch():
+    """The export command loads the torch side lazily: `ovdflash --help` must stay light."""
+    import subprocess
+    import sys
+
+    code = ("import sys, ovdflash.cmd_export; from ovdflash.cli import main; main.get_command(None, 'export'); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'optimum', 'nncf', "
+            "'ovdflash_export'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,0 +1,134 @@
+"""Drafter training on a tiny random target: loss falls, resume is exact, checkpoint loads."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ovdflash_export.data import ShardWriter, load_sequences
+from ovdflash_export.drafter import DFlashDrafter
+from ovdflash_export.tiny import make_tiny_target
+from ovdflash_export.train import STATE_NAME, FrozenTarget, TrainConfig, train
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = make_tiny_target("llama", root / "target", vocab_size=VOCAB, num_hidden_layers=4)
+    # learnable "responses": a fixed successor map over 24 tokens (x_{i+1} = succ[x_i]), so slot k of a
+    # block is a function of the anchor token alone; prompts are random tokens
+    rng = np.random.default_rng(0)
+    alphabet = rng.permutation(np.arange(3, 400))[:24]
+    succ = {int(a): int(b) for a, b in zip(alphabet, np.roll(alphabet, -1))}
+    w = ShardWriter(root / "data")
+    for i in range(48):
+        prompt = rng.integers(3, 400, size=int(rng.integers(4, 9))).tolist()
+        resp = [int(rng.choice(alphabet))]
+        while len(resp) < int(rng.integers(24, 40)):
+            resp.append(succ[resp[-1]])
+        w.append(prompt + resp, len(prompt), ["code", "math", "chat"][i % 3], "greedy", f"p{i}", 0, True)
+    return target, root / "data", root
+
+
+def _cfg(target, data, out, **kw):
+    base = dict(target=str(target), data_dirs=[str(data)], out_dir=str(out), num_layers=1, block_size=4,
+                target_layer_ids=[0, 2], mask_token_id=VOCAB - 1, anchors_per_seq=8, batch_seqs=4, max_len=64,
+                lr=3e-3, warmup_steps=5, max_steps=60, val_every=1000, save_every_s=1e9, seed=3,
+                num_negatives=16, device="cpu", val_fraction=0.15)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _losses(out):
+    return [json.loads(l)["loss"] for l in open(out / "train_log.jsonl") if '"loss"' in l]
+
+
+def test_features_are_hidden_states_of_the_layers(tiny_setup):
+    from transformers import AutoModelForCausalLM
+
+    target, data, _ = tiny_setup
+    seq = load_sequences(data)[0]
+    ids = torch.from_numpy(seq.tokens)
+    ft = FrozenTarget(target, [0, 2], "cpu")
+    full = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    with torch.no_grad():
+        hs = full(ids[None], output_hidden_states=True).hidden_states
+    want = torch.cat([hs[1][0], hs[3][0]], dim=-1)  # id k = hidden_states[k+1]
+    torch.testing.assert_close(ft.features(ids), want, atol=1e-5, rtol=1e-5)
+
+
+def test_loss_falls_and_checkpoint_loads(tiny_setup):
+    target, data, root = tiny_setup
+    out = root / "run_full"
+    train(_cfg(target, data, out), log=lambda s: None)
+    losses = _losses(out)
+    assert len(losses) == 60
+    assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:5])
+    model = DFlashDrafter.from_pretrained(out)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dflash_config"] == {"target_layer_ids": [0, 2], "mask_token_id": VOCAB - 1}
+    assert cfg["block_size"] == 4
+    names = set(model.state_dict())
+    assert not any(n.startswith(("embed_tokens", "lm_head")) for n in names)
+    # the CE's vocabulary ships as draft_vocab.json and covers every trained response token
+    vocab = set(json.loads((out / "draft_vocab.json").read_text()))
+    state = torch.load(out / STATE_NAME, weights_only=False)
+    assert vocab == set(state["vocab_ids"].tolist())
+    assert vocab == {int(t) for s in load_sequences(data) for t in s.tokens[s.prompt_len:]}  # the 24-token alphabet
+    final = json.loads(open(out / "train_log.jsonl").read().strip().splitlines()[-1])["final"]
+    assert final["val_tau"] > 1.0  # at least some drafted tokens would be accepted
+
+
+def test_folded_checkpoint_takes_raw_features(tiny_setup):
+    """The saved drafter on raw features equals the trained one on scaled features."""
+    from ovdflash_export.train import build_batch, FeatureStore
+
+    target, data, root = tiny_setup
+    out = root / "run_fold"
+    train(_cfg(target, data, out, max_steps=8), log=lambda s: None)
+    state = torch.load(out / STATE_NAME, weights_only=False)
+    saved = DFlashDrafter.from_pretrained(out)
+    trained = DFlashDrafter.from_pretrained(out)
+    trained.load_state_dict(state["model"])
+    ft = FrozenTarget(target, [0, 2], "cpu")
+    seqs = load_sequences(data)
+    kw = dict(block_size=4, n_anchors=4, max_len=64, mask_token_id=VOCAB - 1, device="cpu")
+    raw = build_batch(seqs, [0, 1], FeatureStore(ft, 0), ft.embed, np.random.default_rng(0), feat_scale=None, **kw)
+    scaled = build_batch(seqs, [0, 1], FeatureStore(ft, 0), ft.embed, np.random.default_rng(0),
+                         feat_scale=state["inv_scale"], **kw)
+    assert not torch.allclose(state["inv_scale"], torch.ones_like(state["inv_scale"]))
+    with torch.no_grad():
+        a, _ = saved(raw["block_embeds"], raw["target_hidden"], raw["position_ids"], attention_mask=raw["mask"])
+        b, _ = trained(scaled["block_embeds"], scaled["target_hidden"], scaled["position_ids"],
+                       attention_mask=scaled["mask"])
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_resume_reproduces_uninterrupted_run(tiny_setup):
+    target, data, root = tiny_setup
+    full = root / "run_ref"
+    train(_cfg(target, data, full, max_steps=20), log=lambda s: None)
+    part = root / "run_resume"
+    train(_cfg(target, data, part, max_steps=20, stop_after_steps=12), log=lambda s: None)  # "killed"
+    # resume: same out dir; the state file carries step 12, optimizer and schedule
+    train(_cfg(target, data, part, max_steps=20), log=lambda s: None)
+    ref, got = _losses(full), _losses(part)
+    assert len(got) == 20
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_pick_batch_walks_new_sequences_in_order():
+    from ovdflash_export.train import pick_batch
+
+    train_idx = list(range(100, 140))
+    seen = set()
+    for step in range(12):
+        got = pick_batch(np.random.default_rng([0, step]), train_idx, step, 8, 2)
+        assert len(got) == len(set(got)) == 8
+        fresh = got[:8] if step == 0 else got[:2]
+        assert fresh == [train_idx[i] for i in range(0 if step == 0 else 8 + 2 * (step - 1), 8 + 2 * step)][:len(fresh)]
+        assert all(g in seen for g in got[len(fresh):])  # the rest only re-reads cached sequences
+        seen.update(got)
+        assert got == pick_batch(np.random.default_rng([0, step]), train_idx, step, 8, 2)

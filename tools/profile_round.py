@@ -1,0 +1,226 @@
+"""Profile a DFlash round and the autoregressive baselines on one model directory.
+
+Usage: python tools/profile_round.py MODEL_DIR [--reps 7] [--tokens 128] [--out profile.json]
+       [--sections verify,drafter,round,ar,knobs] [--config '{"INFERENCE_NUM_THREADS": 1}']
+
+--config: extra compile properties for every section (the knobs section overrides its own).
+
+Sections (all in one process; alternatives are interleaved per repetition and medians
+reported, because the machine is shared and noisy):
+  verify  - target forward of K = 1, 2, 4, 8, 16 tokens after a ~100-token chat prompt
+            (forward + commit(1), i.e. the mask rollback of K-1 rejected slots), ms.
+  drafter - OVDrafter.propose at block 8 and 16, with and without the draft vocabulary
+            (when drafter/draft_vocab.json exists), ms per call.
+  round   - greedy dflash@B generations with the OpenVINO infer calls timed separately:
+            per round ms of drafter infer, target infer, and host work (everything else:
+            numpy accept, feature copies, Python, and time the process waited for a core).
+  ar      - our AR vs openvino.genai LLMPipeline AR, tok/s (128 tokens), and our AR step
+            split into infer vs host.
+  knobs   - our AR tok/s and the K=8 verify for INFERENCE_NUM_THREADS 1/2 (2 also without
+            CPU pinning) and KV_CACHE_PRECISION u8/f16/f32 (one compile each).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ovdflash.bench import CpuMeter, GenaiRunner, OursRunner, load_prompts  # noqa: E402
+from ovdflash.pipeline import DFlashPipeline, default_compile_config, load_manifest  # noqa: E402
+from ovdflash.stats import GenerationStats  # noqa: E402
+
+
+class TimedRequest:
+    """Wraps an InferRequest; accumulates the wall time of infer() calls."""
+
+    def __init__(self, request):
+        self._request, self.seconds, self.calls = request, 0.0, 0
+
+    def infer(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self._request.infer(*args, **kwargs)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._request, name)
+
+
+def med(xs):
+    return round(statistics.median(xs), 3) if xs else None
+
+
+def prompt_ids(pipe, n=1):
+    return [pipe.encode_prompt([{"role": "user", "content": p}]) for p in load_prompts("chat", n)]
+
+
+def verify_curve(pipe, prompt, reps, ks=(1, 2, 4, 8, 16)):
+    target = pipe.target
+    times = {k: [] for k in ks}
+    for rep in range(reps):
+        for k in ks[rep % len(ks):] + ks[: rep % len(ks)]:
+            target.reset()
+            target.forward(np.asarray(prompt, np.int64), all_logits=False)
+            target.commit(len(prompt))
+            ids = np.asarray(prompt[:k] if len(prompt) >= k else [1] * k, np.int64)
+            target.forward(ids, all_logits=True)   # first K-shaped call after the prefill: not timed
+            target.commit(1)
+            t0 = time.perf_counter()
+            for _ in range(3):
+                target.forward(ids, all_logits=True)
+                target.commit(1)
+            times[k].append(1e3 * (time.perf_counter() - t0) / 3)
+    return {str(k): med(v) for k, v in times.items()}
+
+
+def drafter_times(pipes, manifest, prompt, reps, blocks=(8, 16)):
+    feat = len(manifest["target_layer_ids"]) * manifest["target"]["hidden_size"]
+    rng = np.random.default_rng(0)
+    ctx = rng.standard_normal((len(prompt), feat)).astype(np.float32)
+    one = rng.standard_normal((3, feat)).astype(np.float32)
+    out = {f"{name}@{b}": [] for name in pipes for b in blocks}
+    for _ in range(reps):
+        for name, pipe in pipes.items():
+            for b in blocks:
+                d = pipe.drafter
+                d.reset()
+                d.propose(5, ctx, len(prompt), b - 1)   # prefill the drafter context
+                t0 = time.perf_counter()
+                start = len(prompt)
+                for _ in range(5):  # steady-state rounds: 3 new context features each
+                    d.propose(5, one, start + 3, b - 1)
+                    start += 3
+                out[f"{name}@{b}"].append(1e3 * (time.perf_counter() - t0) / 5)
+    return {k: med(v) for k, v in out.items()}
+
+
+def round_profile(pipe, prompts, tokens, blocks=(4, 8, 16)):
+    out = {}
+    t_req, d_req = TimedRequest(pipe.target.request), TimedRequest(pipe.drafter.request)
+    pipe.target.request, pipe.drafter.request = t_req, d_req
+    try:
+        for b in blocks:
+            rows = []
+            for ids in prompts:
+                t_req.seconds = d_req.seconds = 0.0
+                t_req.calls = d_req.calls = 0
+                t0 = time.perf_counter()
+                st = GenerationStats()
+                list(pipe.generate_tokens(ids, tokens, draft=True, block_size=b, stats=st))
+                wall = time.perf_counter() - t0
+                rounds = max(st.num_drafts, 1)
+                decode_target = t_req.seconds  # includes the prefill call, subtracted below
+                rows.append({"wall_ms": 1e3 * wall, "prefill_ms": 1e3 * st.prefill_s, "rounds": st.num_drafts,
+                             "drafter_infer_ms_per_round": 1e3 * d_req.seconds / rounds,
+                             "target_infer_ms_per_round": 1e3 * (decode_target - st.prefill_s) / rounds,
+                             "round_ms": 1e3 * (wall - st.prefill_s) / rounds})
+            r = {k: med([row[k] for row in rows]) for k in rows[0]}
+            r["host_ms_per_round"] = round(r["round_ms"] - r["drafter_infer_ms_per_round"]
+                                           - r["target_infer_ms_per_round"], 3)
+            out[f"dflash@{b}"] = r
+    finally:
+        pipe.target.request, pipe.drafter.request = t_req._request, d_req._request
+    return out
+
+
+def ar_compare(pipe, genai, prompts, tokens, reps, meter):
+    ours = OursRunner(pipe, None)
+    rates = {"ar": [], "genai-ar": []}
+    busy = []
+    t_req = TimedRequest(pipe.target.request)
+    pipe.target.request = t_req
+    host = []
+    try:
+        for rep in range(reps):
+            for ids in prompts:
+                for name in (("ar", "genai-ar") if rep % 2 == 0 else ("genai-ar", "ar")):
+                    if name == "genai-ar" and genai is None:
+                        continue
+                    started = meter.start()
+                    t_req.seconds, t_req.calls = 0.0, 0
+                    toks, wall, ttft, _ = (ours if name == "ar" else genai)(ids, tokens)
+                    busy.append(meter.foreign_cores(started))
+                    rates[name].append(len(toks) / wall)
+                    if name == "ar":
+                        host.append(1e3 * (wall - t_req.seconds) / max(t_req.calls, 1))
+    finally:
+        pipe.target.request = t_req._request
+    return {"tokens_per_s": {k: med(v) for k, v in rates.items() if v},
+            "ours_host_ms_per_step": med(host), "foreign_cores": med(busy)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir", type=Path)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--sections", default="verify,drafter,round,ar,knobs")
+    ap.add_argument("--config", default="{}", help="extra compile properties (JSON)")
+    args = ap.parse_args()
+    sections = args.sections.split(",")
+    manifest = load_manifest(args.model_dir)
+    extra = json.loads(args.config)
+    base = {**default_compile_config(manifest), **extra}
+    meter = CpuMeter()
+    result = {"model_dir": str(args.model_dir), "config": base, "sections": {}}
+    started = meter.start()
+    pipe = DFlashPipeline.from_pretrained(args.model_dir, **extra)
+    prompts = prompt_ids(pipe, 3)
+    prompt = prompts[0]
+    result["prompt_tokens"] = len(prompt)
+
+    def report(name, value):
+        result["sections"][name] = value
+        print(name, json.dumps(value, indent=1), flush=True)
+
+    if "verify" in sections:
+        report("verify_ms_by_K", verify_curve(pipe, prompt, args.reps))
+    if "drafter" in sections:
+        pipes = {"vocab": pipe}
+        if (args.model_dir / "drafter" / "draft_vocab.json").exists():
+            pipes["full"] = DFlashPipeline.from_pretrained(args.model_dir, use_draft_vocab=False, **extra)
+        report("drafter_ms_per_call", drafter_times(pipes, manifest, prompt, args.reps))
+        del pipes
+    if "round" in sections:
+        report("round_profile", round_profile(pipe, prompts, args.tokens))
+    if "ar" in sections:
+        try:
+            genai = GenaiRunner(args.model_dir, manifest, base, pipe.eos_token_ids, "ar")
+        except Exception as exc:  # genai missing or refusing the IR: report ours alone
+            print("genai-ar unavailable:", exc)
+            genai = None
+        report("ar", ar_compare(pipe, genai, prompts, args.tokens, max(2, args.reps // 2), meter))
+        del genai
+    if "knobs" in sections:
+        knobs = {"threads=1": {"INFERENCE_NUM_THREADS": 1}, "threads=2": {"INFERENCE_NUM_THREADS": 2},
+                 "threads=2,no-pinning": {"INFERENCE_NUM_THREADS": 2, "ENABLE_CPU_PINNING": False},
+                 "kv=u8": {"KV_CACHE_PRECISION": "u8"}, "kv=f16": {"KV_CACHE_PRECISION": "f16"},
+                 "kv=f32": {"KV_CACHE_PRECISION": "f32"}}
+        variants = {name: DFlashPipeline.from_pretrained(args.model_dir, draft=False, **{**extra, **opts})
+                    for name, opts in knobs.items()}
+        rates = {name: [] for name in knobs}
+        verify8 = {name: [] for name in knobs}
+        for rep in range(max(2, args.reps // 2)):
+            for name in list(knobs)[rep % len(knobs):] + list(knobs)[: rep % len(knobs)]:
+                toks, wall, _, _ = OursRunner(variants[name], None)(prompt, args.tokens)
+                rates[name].append(len(toks) / wall)
+                verify8[name].append(verify_curve(variants[name], prompt, 1, ks=(8,))["8"])
+        report("knobs", {name: {"ar_tokens_per_s": med(rates[name]), "verify8_ms": med(verify8[name])}
+                         for name in knobs})
+    result["foreign_cores_whole_run"] = round(meter.foreign_cores(started), 2)
+    print("foreign cores (other processes) during the whole run:", result["foreign_cores_whole_run"])
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
