@@ -80,6 +80,7 @@ class Run:
     token_ids: list[int]
     stats: dict = field(default_factory=dict)  # ours: GenerationStats.as_dict(); genai: round counters
     foreign_cores: float = float("nan")        # CPU used by other processes during the run
+    spec: GenerationStats | None = None        # ours only: the call's stats, pooled with merge()
 
     @property
     def tokens_per_s(self) -> float:
@@ -93,14 +94,14 @@ class OursRunner:
     def __init__(self, pipe: DFlashPipeline, block_size: int | None):
         self.pipe, self.block_size = pipe, block_size
 
-    def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float, dict]:
+    def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float, GenerationStats]:
         stats = GenerationStats()
         draft = self.block_size is not None
         t0 = time.perf_counter()
         tokens = [e.token for e in self.pipe.generate_tokens(prompt_ids, max_new_tokens, draft=draft,
                                                              block_size=self.block_size, stats=stats)]
         wall = time.perf_counter() - t0
-        return tokens, wall, stats.ttft_s, stats.as_dict()
+        return tokens, wall, stats.ttft_s, stats
 
 
 class GenaiRunner:
@@ -272,8 +273,9 @@ def run_benchmark(model_dir: Path, prompt_sets: list[str], num_prompts: int, max
                 for name in order:
                     started = meter.start()
                     tokens, wall, ttft, stats = runners[name](ids, max_new_tokens)
-                    runs.append(Run(name, set_name, i, len(tokens), wall, ttft, tokens, stats,
-                                    meter.foreign_cores(started)))
+                    spec = stats if isinstance(stats, GenerationStats) else None
+                    runs.append(Run(name, set_name, i, len(tokens), wall, ttft, tokens,
+                                    spec.as_dict() if spec else stats, meter.foreign_cores(started), spec))
                     done += 1
                     if progress:
                         progress(done, total)
@@ -303,16 +305,18 @@ def summarize(runs: list[Run], names: list[str], prompt_sets: list[str], notes: 
             if name == "ar" or name.startswith("dflash@"):
                 entry["tpot_ms"] = _median([s["tpot_ms"] for s in st])
             if name.startswith("dflash@"):
-                drafts = sum(s["num_drafts"] for s in st)
-                accepted = sum(s["num_accepted_tokens"] for s in st)
-                draft_tokens = sum(s["num_draft_tokens"] for s in st)
+                pooled = GenerationStats()  # counters pooled over runs, exact per position
+                for r in rs:
+                    pooled.merge(r.spec)
+                drafts = pooled.num_drafts
                 entry.update({
-                    "num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
-                    "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
-                    "mean_acceptance_length": (accepted + drafts) / drafts if drafts else 0.0,
-                    "draft_ms_per_round": sum(s["draft_ms"] for s in st) / drafts if drafts else 0.0,
-                    "verify_ms_per_round": sum(s["verify_ms"] for s in st) / drafts if drafts else 0.0,
-                    "per_position_acceptance_rate": _per_position(st),
+                    "num_drafts": drafts, "num_draft_tokens": pooled.num_draft_tokens,
+                    "num_accepted_tokens": pooled.num_accepted_tokens,
+                    "acceptance_rate": pooled.acceptance_rate,
+                    "mean_acceptance_length": pooled.mean_acceptance_length,
+                    "draft_ms_per_round": 1e3 * pooled.draft_s / drafts if drafts else 0.0,
+                    "verify_ms_per_round": 1e3 * pooled.verify_s / drafts if drafts else 0.0,
+                    "per_position_acceptance_rate": pooled.per_position_acceptance_rate,
                 })
             elif name.startswith("genai-dflash@") and st and "num_rounds" in st[0]:
                 rounds = sum(s["num_rounds"] for s in st)
@@ -348,21 +352,6 @@ def _ratios(per_mode: dict, best_ar: float) -> dict:
     if "ar" in tps and "genai-ar" in tps:
         out["ar / genai-ar"] = tps["ar"] / tps["genai-ar"]
     return out
-
-
-def _per_position(stats: list[dict]) -> list[float]:
-    # rates pooled over runs: sum of accepted over sum of drafted per position
-    acc, n = [], []
-    for s in stats:
-        rates = s.get("per_position_acceptance_rate", [])
-        drafts = s.get("num_drafts", 0)
-        for i, r in enumerate(rates):
-            if i == len(acc):
-                acc.append(0.0)
-                n.append(0)
-            acc[i] += r * drafts
-            n[i] += drafts
-    return [a / c if c else 0.0 for a, c in zip(acc, n)]
 
 
 def _agreement(runs: list[Run], names: list[str]) -> dict:
