@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
-from .fetch import cache_root, fetch_smollm2
+from .fetch import building_dir, cache_root, fetch_smollm2
 
 SHIPPED_DRAFTER = Path(__file__).resolve().parent / "smollm2_dflash"
 EXPORT_DIRNAME = "smollm2-135m-dflash-ov"
@@ -67,15 +66,12 @@ def ensure_default_model(cache_dir=None, progress: bool = True) -> Path:
     # torch side, imported only when an export runs
     from ovdflash_export.exporter import export_pair
 
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    with console.status("exporting SmolLM2-135M-Instruct + DFlash drafter to OpenVINO") as status:
+    with building_dir(out) as tmp, \
+            console.status("exporting SmolLM2-135M-Instruct + DFlash drafter to OpenVINO") as status:
         export_pair(hf_dir, SHIPPED_DRAFTER, tmp, target_weight_format=TARGET_WEIGHT_FORMAT,
                     drafter_weight_format=DRAFTER_WEIGHT_FORMAT,
                     progress=lambda msg: status.update(f"export: {msg}"))
-    (tmp / STAMP_NAME).write_text(json.dumps({"drafter_sha256": fingerprint, "target": str(hf_dir)}, indent=1))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.replace(out)
+        (tmp / STAMP_NAME).write_text(json.dumps({"drafter_sha256": fingerprint, "target": str(hf_dir)}, indent=1))
     console.print(f"[green]default model ready:[/green] {out}")
     return out
 

