@@ -86,6 +86,9 @@ class TrainConfig:
     feature_cache_gb: float = 4.0
     seed: int = 0
     stop_after_steps: int | None = None  # end this invocation early (schedule unchanged), as a kill would
+    # labels = the target's own greedy chain (see build_batch); needed for teacher-forced text data
+    relabel: bool = True
+    init_from: str | None = None     # warm start: a z-lab checkpoint directory (weights only, new optimizer)
     device: str = "auto"
     threads: int | None = None
     extra: dict = field(default_factory=dict)
@@ -93,9 +96,10 @@ class TrainConfig:
 
 # ------------------------------------------------------------------ target side
 class FrozenTarget:
-    """The frozen target: embedding, lm_head weight and per-sequence layer features."""
+    """The frozen target: embedding, lm_head weight, per-sequence layer features and (with
+    `predictions`) its greedy next-token prediction at every position."""
 
-    def __init__(self, path, layer_ids, device, dtype=torch.float32):
+    def __init__(self, path, layer_ids, device, dtype=torch.float32, predictions: bool = False):
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
@@ -104,8 +108,9 @@ class FrozenTarget:
         self.layer_ids = list(layer_ids)
         deepest = max(self.layer_ids)
         base = model.model
-        # only the layers up to the deepest feature layer ever run
-        base.layers = base.layers[: deepest + 1]
+        self.predictions = predictions
+        if not predictions:  # only the layers up to the deepest feature layer ever run
+            base.layers = base.layers[: deepest + 1]
         self.base = base.to(device)
         self.embed = base.embed_tokens
         self.lm_head_weight = model.get_output_embeddings().weight.detach().to(device)
@@ -120,11 +125,17 @@ class FrozenTarget:
         return fn
 
     @torch.no_grad()
-    def features(self, ids: torch.Tensor) -> torch.Tensor:
-        """[S] token ids -> [S, n*Ht] f32: decoder-layer outputs at layer_ids, concatenated."""
+    def features(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[S] token ids -> ([S, n*Ht] f32 decoder-layer outputs at layer_ids, concatenated;
+        [S] int64 greedy prediction for position s+1, or None without `predictions`)."""
         self._captured.clear()
-        self.base(input_ids=ids[None].to(self.device), use_cache=False)
-        return torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1).float()
+        out = self.base(input_ids=ids[None].to(self.device), use_cache=False)
+        feats = torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1).float()
+        if not self.predictions:
+            return feats, None
+        final = out.last_hidden_state[0]  # after the final norm
+        pred = torch.cat([(c @ self.lm_head_weight.T).argmax(-1) for c in final.split(256)])
+        return feats, pred.cpu()
 
 
 class FeatureStore:
@@ -137,20 +148,20 @@ class FeatureStore:
         self.cache: dict[int, torch.Tensor] = {}
         self.computed_tokens = 0
 
-    def get(self, idx: int, ids: torch.Tensor) -> torch.Tensor:
+    def get(self, idx: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         hit = self.cache.get(idx)
         if hit is not None:
-            return hit.float()
-        feats = self.target.features(ids)
+            return hit[0].float(), hit[1]
+        feats, pred = self.target.features(ids)
         self.computed_tokens += ids.numel()
-        nbytes = feats.numel() * 2
+        nbytes = feats.numel() * 2 + (0 if pred is None else pred.numel() * 4)
+        half = feats.to(torch.float16)  # cached and fresh calls give identical (f16-rounded) values
+        if pred is not None:
+            pred = pred.to(torch.int32)
         if self.used + nbytes <= self.cap:
-            # store the f16 copy and return it, so cached and fresh calls give identical values
-            half = feats.to(torch.float16)
-            self.cache[idx] = half
+            self.cache[idx] = (half, pred)
             self.used += nbytes
-            return half.float()
-        return feats.to(torch.float16).float()
+        return half.float(), pred
 
 
 # ------------------------------------------------------------------ batch building
@@ -164,16 +175,39 @@ def _sample_anchors(rng: np.random.Generator, prompt_len: int, length: int, n: i
     return np.sort(cands)
 
 
+def chain_labels(tokens: torch.Tensor, pred: torch.Tensor, anchors: torch.Tensor, B: int) -> torch.Tensor:
+    """Greedy-chain labels [n, B-1] for blocks anchored at `anchors` (-100 = no label).
+
+    Slot k of the block at anchor p gets pred[p+k-1], the target's greedy token after the stored
+    prefix x_0..x_{p+k-1}, but only while the stored tokens agree with the target's greedy chain,
+    x_{p+j} == pred[p+j-1] for j < k: then that prefix *is* what greedy decoding would have
+    produced from p, so the label is exactly the token verification accepts. For the target's own
+    greedy responses this equals x_{p+k}; for sampled responses and foreign text it keeps the exact
+    prefix of each block and drops the rest."""
+    L = tokens.numel()
+    agree = torch.zeros(L + B, dtype=torch.bool)
+    agree[: L - 1] = tokens[1:] == pred[: L - 1]          # agree[q]: x_{q+1} is the greedy pick after q
+    ks = torch.arange(1, B)
+    pos = anchors[:, None] + ks[None, :]                  # [n, B-1] position each slot predicts
+    lab = torch.where(pos < L, pred[(pos - 1).clamp(max=L - 1)].long(), torch.full_like(pos, -100))
+    prev_ok = agree[(anchors[:, None] + ks[None, :-1]).clamp(max=L + B - 1) - 1]  # slot k needs agree[p..p+k-2]
+    chain = torch.cumprod(torch.cat([torch.ones(len(anchors), 1, dtype=torch.long), prev_ok.long()], 1), 1)
+    return torch.where(chain.bool(), lab, torch.full_like(lab, -100))
+
+
 def build_batch(seqs: list[Sequence], idxs, store: FeatureStore, embed, rng: np.random.Generator, *,
                 block_size: int, n_anchors: int, max_len: int, mask_token_id: int, feat_scale, device):
-    """Tensors for one drafter forward over len(idxs) sequences with up to n_anchors blocks each."""
+    """Tensors for one drafter forward over len(idxs) sequences with up to n_anchors blocks each.
+    Labels are the stored tokens, or the target's greedy chain when the store has predictions."""
     B = block_size
-    toks, feats, anchors = [], [], []
+    toks, feats, preds, anchors = [], [], [], []
     for i in idxs:
         s = seqs[i]
         t = torch.from_numpy(s.tokens[:max_len])
         toks.append(t)
-        feats.append(store.get(i, t))
+        f, p = store.get(i, t)
+        feats.append(f)
+        preds.append(p)
         anchors.append(_sample_anchors(rng, s.prompt_len, t.numel(), n_anchors))
     b = len(idxs)
     S = max(t.numel() for t in toks)
@@ -184,7 +218,7 @@ def build_batch(seqs: list[Sequence], idxs, store: FeatureStore, embed, rng: np.
     labels = torch.full((b, N, B - 1), -100, dtype=torch.long)
     anchor_pos = torch.zeros(b, N, dtype=torch.long)
     keep = torch.zeros(b, N, dtype=torch.bool)
-    for j, (t, f, a) in enumerate(zip(toks, feats, anchors)):
+    for j, (t, f, p, a) in enumerate(zip(toks, feats, preds, anchors)):
         L = t.numel()
         target_hidden[j, :L] = f
         n = a.size
@@ -194,6 +228,9 @@ def build_batch(seqs: list[Sequence], idxs, store: FeatureStore, embed, rng: np.
         anchor_pos[j, :n] = a_t
         keep[j, :n] = True
         block_ids[j, :n, 0] = t[a_t]
+        if p is not None:
+            labels[j, :n] = chain_labels(t, p, a_t, B)
+            continue
         for k in range(1, B):
             pos = a_t + k
             ok = pos < L
@@ -267,6 +304,14 @@ def split_train_val(seqs: list[Sequence], fraction: float, seed: int):
     return train, val
 
 
+def interleave_sources(idxs: list[int], source: list[int], seed: int) -> list[int]:
+    """`idxs` reordered: each source's items shuffled, then dealt round-robin across sources."""
+    rng = np.random.default_rng(seed)
+    per = [[i for i in idxs if source[i] == k] for k in sorted({source[i] for i in idxs})]
+    per = [[p[j] for j in rng.permutation(len(p))] for p in per]
+    return [p[j] for j in range(max(map(len, per), default=0)) for p in per if j < len(p)]
+
+
 def pick_batch(rng: np.random.Generator, train_idx: list[int], step: int, batch: int, new_per_step: int | None):
     """Sequence indices for `step`; deterministic given (rng, step, train_idx).
 
@@ -294,7 +339,7 @@ def layer_scales(store: FeatureStore, seqs, idxs, n_feat: int, hidden: int, max_
     """Median token RMS of each feature layer over a few sequences (skipping position 0)."""
     rms = [[] for _ in range(n_feat)]
     for i in idxs:
-        f = store.get(i, torch.from_numpy(seqs[i].tokens[:max_len]))[1:]
+        f = store.get(i, torch.from_numpy(seqs[i].tokens[:max_len]))[0][1:]
         for l in range(n_feat):
             rms[l].append(f[:, l * hidden:(l + 1) * hidden].pow(2).mean(-1).sqrt())
     return torch.tensor([torch.cat(r).median().item() for r in rms])
@@ -401,7 +446,7 @@ def train(cfg: TrainConfig, log=print) -> Path:
     if not 0 <= cfg.mask_token_id < vocab:
         raise ValueError(f"mask_token_id {cfg.mask_token_id} is outside the embedding table ({vocab} rows)")
 
-    target = FrozenTarget(cfg.target, cfg.target_layer_ids, device)
+    target = FrozenTarget(cfg.target, cfg.target_layer_ids, device, predictions=cfg.relabel)
     H = int(tcfg["hidden_size"])
     heads = int(tcfg["num_attention_heads"])
     rope_theta = tcfg.get("rope_theta") or (tcfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
@@ -420,20 +465,41 @@ def train(cfg: TrainConfig, log=print) -> Path:
         drafter.norm.weight.fill_(init)
     drafter.to(device).train()
 
+    # Sequences are only ever appended (to `all_seqs`, whatever directory grew), so an index names
+    # the same sequence for the whole run and the feature cache stays valid across reloads. New
+    # training sequences join the end of the walk order; with several sources they are dealt
+    # round-robin (each shuffled), so every source is consumed at the same rate. (A resumed run
+    # deals everything at once: with data that grew during the run, its walk differs from the
+    # uninterrupted one.)
+    all_seqs, source, loaded_counts, walk = [], [], [0] * len(cfg.data_dirs), []
+
     def load_data():
-        # data directories are append-only, so a reload keeps every earlier sequence's index
-        seqs = [s for d in cfg.data_dirs for s in load_sequences(d)]
-        if not seqs:
+        new = []
+        for k, d in enumerate(cfg.data_dirs):
+            loaded = load_sequences(d)
+            for s in loaded[loaded_counts[k]:]:
+                new.append(len(all_seqs))
+                all_seqs.append(s)
+                source.append(k)
+            loaded_counts[k] = len(loaded)
+        if not all_seqs:
             raise ValueError(f"no training sequences in {cfg.data_dirs}")
-        tr, va = split_train_val(seqs, cfg.val_fraction, cfg.seed)
+        tr, va = split_train_val(all_seqs, cfg.val_fraction, cfg.seed)
         if not tr:
             raise ValueError("validation split took every sequence")
-        return seqs, tr, va[: cfg.max_val_seqs]
+        is_train = set(tr)
+        fresh = [i for i in new if i in is_train]
+        walk.extend(interleave_sources(fresh, source, cfg.seed + len(walk)) if len(cfg.data_dirs) > 1 else fresh)
+        va = [i for i in va if all_seqs[i].mode != "text"]  # validate on the target's own responses only
+        return all_seqs, list(walk), va[: cfg.max_val_seqs]
 
     def used_vocab(seqs, idxs):
+        # the target's own responses define the CE subset (and the draft vocabulary): foreign text
+        # brings rare ids the target seldom emits, which would only widen the drafter's head
         used = np.zeros(vocab, dtype=bool)
         for i in idxs:
-            used[seqs[i].tokens[seqs[i].prompt_len:]] = True
+            if seqs[i].mode != "text":
+                used[seqs[i].tokens[seqs[i].prompt_len:]] = True
         return torch.from_numpy(np.nonzero(used)[0])
 
     def vocab_tables(ids):
@@ -455,6 +521,9 @@ def train(cfg: TrainConfig, log=print) -> Path:
         vocab_ids = None
         if cfg.vocab_subset:
             vocab_ids = used_vocab(seqs, train_idx)
+            init_vocab = Path(cfg.init_from or "") / DRAFT_VOCAB_NAME
+            if cfg.init_from and init_vocab.is_file():
+                vocab_ids = torch.unique(torch.cat([vocab_ids, torch.tensor(json.loads(init_vocab.read_text()))]))
         inv_scale = None
         if cfg.feature_scaling:
             probe = train_idx[: min(16, len(train_idx))]
@@ -472,6 +541,18 @@ def train(cfg: TrainConfig, log=print) -> Path:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     step, elapsed_before = 0, 0.0
+    if resume is None and cfg.init_from:
+        init = DFlashDrafter.from_pretrained(cfg.init_from)
+        ic = init.config
+        if (ic.num_hidden_layers, ic.block_size, list(ic.target_layer_ids), ic.mask_token_id, ic.hidden_size) != (
+                cfg.num_layers, cfg.block_size, list(cfg.target_layer_ids), cfg.mask_token_id, H):
+            raise ValueError(f"--init-from {cfg.init_from}: its geometry (layers {ic.num_hidden_layers}, block "
+                             f"{ic.block_size}, ids {ic.target_layer_ids}, mask {ic.mask_token_id}) differs from this run's")
+        sd = init.state_dict()
+        if inv_scale is not None:  # saved checkpoints take raw features: unfold this run's scale
+            sd["fc.weight"] = sd["fc.weight"] / inv_scale[None, :]
+        drafter.load_state_dict(sd)
+        log(f"warm start from {cfg.init_from}")
     if resume is not None:
         drafter.load_state_dict(resume["model"])
         opt.load_state_dict(resume["optimizer"])

@@ -49,10 +49,15 @@ def _ids(text):
 @click.option("--seed", default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True)
 @click.option("--threads", type=int, default=None)
+@click.option("--init-from", default=None, type=click.Path(exists=True, file_okay=False),
+              help="Warm start from this drafter checkpoint (same geometry); a fresh optimizer and schedule.")
+@click.option("--no-relabel", is_flag=True,
+              help="Train on the stored tokens instead of the target's greedy chain (see train.py; "
+                   "teacher-forced text data needs relabelling).")
 @click.option("--evaluate-only", is_flag=True, help="Only print the tau estimate of the checkpoint in --out on --eval-data.")
 def train(target, data_dirs, eval_dirs, out_dir, state_dir, layers, block_size, target_layer_ids, num_features, mask_token_id,
           anchors, batch_seqs, max_len, lr, warmup_steps, max_steps, minutes, gamma, num_negatives, no_vocab_subset,
-          no_feature_scaling, val_every, new_per_step, reload_every, save_every_s, feature_cache_gb, seed, device, threads, evaluate_only):
+          no_feature_scaling, val_every, new_per_step, reload_every, save_every_s, feature_cache_gb, seed, device, threads, init_from, no_relabel, evaluate_only):
     """Distill a DFlash drafter for a target model."""
     try:
         from ovdflash_export.train import TrainConfig, evaluate_checkpoint
@@ -76,6 +81,7 @@ def train(target, data_dirs, eval_dirs, out_dir, state_dir, layers, block_size, 
                       minutes=minutes, gamma=gamma, num_negatives=num_negatives, vocab_subset=not no_vocab_subset,
                       feature_scaling=not no_feature_scaling, val_every=val_every, new_per_step=new_per_step, reload_every=reload_every,
                       save_every_s=save_every_s,
-                      feature_cache_gb=feature_cache_gb, seed=seed, device=device, threads=threads)
+                      feature_cache_gb=feature_cache_gb, seed=seed, device=device, threads=threads,
+                      init_from=init_from, relabel=not no_relabel)
     out = run_training(cfg, log=lambda s: click.echo(s, err=True))
     click.echo(str(out))

@@ -8,7 +8,7 @@ import torch
 from ovdflash_export.data import ShardWriter, load_sequences
 from ovdflash_export.drafter import DFlashDrafter
 from ovdflash_export.tiny import make_tiny_target
-from ovdflash_export.train import STATE_NAME, FrozenTarget, TrainConfig, train
+from ovdflash_export.train import STATE_NAME, FrozenTarget, TrainConfig, chain_labels, train
 
 VOCAB = 512
 
@@ -36,7 +36,7 @@ def _cfg(target, data, out, **kw):
     base = dict(target=str(target), data_dirs=[str(data)], out_dir=str(out), num_layers=1, block_size=4,
                 target_layer_ids=[0, 2], mask_token_id=VOCAB - 1, anchors_per_seq=8, batch_seqs=4, max_len=64,
                 lr=3e-3, warmup_steps=5, max_steps=60, val_every=1000, save_every_s=1e9, seed=3,
-                num_negatives=16, device="cpu", val_fraction=0.15)
+                num_negatives=16, device="cpu", val_fraction=0.15, relabel=False)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -56,7 +56,70 @@ def test_features_are_hidden_states_of_the_layers(tiny_setup):
     with torch.no_grad():
         hs = full(ids[None], output_hidden_states=True).hidden_states
     want = torch.cat([hs[1][0], hs[3][0]], dim=-1)  # id k = hidden_states[k+1]
-    torch.testing.assert_close(ft.features(ids), want, atol=1e-5, rtol=1e-5)
+    feats, pred = ft.features(ids)
+    assert pred is None
+    torch.testing.assert_close(feats, want, atol=1e-5, rtol=1e-5)
+    # with predictions: the same features plus the full model's argmax at every position
+    feats2, pred2 = FrozenTarget(target, [0, 2], "cpu", predictions=True).features(ids)
+    torch.testing.assert_close(feats2, want, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        assert torch.equal(pred2, full(ids[None]).logits[0].argmax(-1))
+
+
+def test_chain_labels_against_brute_force():
+    rng = np.random.default_rng(1)
+    for trial in range(50):
+        L, B = int(rng.integers(6, 30)), int(rng.integers(2, 9))
+        pred = torch.from_numpy(rng.integers(0, 4, size=L))
+        tokens = torch.from_numpy(rng.integers(0, 4, size=L))  # small alphabet: many agreements
+        anchors = torch.arange(0, L - 1)
+        got = chain_labels(tokens, pred, anchors, B)
+        for n, p in enumerate(anchors.tolist()):
+            for k in range(1, B):
+                ok = p + k < L and all(tokens[p + j] == pred[p + j - 1] for j in range(1, k))
+                assert got[n, k - 1] == (pred[p + k - 1] if ok else -100), (trial, p, k)
+
+
+def test_relabelled_greedy_response_keeps_its_tokens(tiny_setup):
+    """On the target's own greedy continuation the chain labels are the stored tokens; one foreign
+    token cuts every block that spans it right after that token."""
+    from transformers import AutoModelForCausalLM
+
+    target, _, _ = tiny_setup
+    full = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    prompt = torch.tensor([[5, 17, 99, 4]])
+    with torch.no_grad():
+        seq = full.generate(prompt, max_new_tokens=20, do_sample=False)[0]
+    _, pred = FrozenTarget(target, [0, 2], "cpu", predictions=True).features(seq)
+    anchors = torch.arange(4, len(seq) - 1)
+    lab = chain_labels(seq, pred, anchors, 4)
+    for n, p in enumerate(anchors.tolist()):
+        for k in range(1, 4):
+            assert lab[n, k - 1] == (seq[p + k] if p + k < len(seq) else -100)
+    bad = seq.clone()
+    bad[10] = (bad[10] + 1) % VOCAB
+    _, pred_bad = FrozenTarget(target, [0, 2], "cpu", predictions=True).features(bad)
+    lab = chain_labels(bad, pred_bad, torch.tensor([8]), 4)  # slots predict 9, 10, 11
+    assert lab[0, 0] == seq[9] and lab[0, 1] == seq[10]      # the greedy tokens, not the foreign one
+    assert lab[0, 2] == -100                                   # its prefix left the greedy chain
+
+
+def test_warm_start_loads_the_checkpoint_and_checks_geometry(tiny_setup):
+    target, data, root = tiny_setup
+    src = root / "run_src"
+    train(_cfg(target, data, src, max_steps=30), log=lambda s: None)
+    warm = root / "run_warm"
+    train(_cfg(target, data, warm, max_steps=0, init_from=str(src)), log=lambda s: None)
+    a, b = DFlashDrafter.from_pretrained(src).state_dict(), DFlashDrafter.from_pretrained(warm).state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+    fresh = root / "run_fresh"
+    train(_cfg(target, data, fresh, max_steps=1), log=lambda s: None)
+    warm1 = root / "run_warm1"
+    train(_cfg(target, data, warm1, max_steps=1, init_from=str(src)), log=lambda s: None)
+    assert _losses(warm1)[0] < 0.9 * _losses(fresh)[0]  # starts where the source run ended, not from scratch
+    with pytest.raises(ValueError, match="geometry"):
+        train(_cfg(target, data, root / "run_bad", max_steps=1, block_size=3, init_from=str(src)), log=lambda s: None)
 
 
 def test_loss_falls_and_checkpoint_loads(tiny_setup):
@@ -132,3 +195,15 @@ def test_pick_batch_walks_new_sequences_in_order():
         assert all(g in seen for g in got[len(fresh):])  # the rest only re-reads cached sequences
         seen.update(got)
         assert got == pick_batch(np.random.default_rng([0, step]), train_idx, step, 8, 2)
+
+
+def test_interleave_sources_deals_round_robin():
+    from ovdflash_export.train import interleave_sources
+
+    source = [0] * 10 + [1] * 3 + [2] * 5
+    idxs = list(range(18))
+    got = interleave_sources(idxs, source, seed=0)
+    assert sorted(got) == idxs
+    assert [source[i] for i in got[:9]] == [0, 1, 2] * 3            # equal rates while all last
+    assert [source[i] for i in got[9:13]] == [0, 2, 0, 2]
+    assert got == interleave_sources(idxs, source, seed=0) != interleave_sources(idxs, source, seed=1)
