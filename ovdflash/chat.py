@@ -26,6 +26,15 @@ def _parse_config(items) -> dict:
     return config
 
 
+def _parse_block_size(text: str | None) -> int | str | None:
+    if text is None or text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--block-size must be an integer or 'auto', got {text!r}") from None
+
+
 @contextlib.contextmanager
 def _sigint_to_main_thread_only():
     """Block SIGINT while OpenVINO creates its worker threads, so they inherit the blocked mask.
@@ -53,7 +62,8 @@ def _sigint_to_main_thread_only():
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
 @click.option("--max-new-tokens", "-n", type=int, default=512, show_default=True)
-@click.option("--block-size", type=int, default=None, help="Tokens per draft block (default: the drafter's).")
+@click.option("--block-size", default=None, metavar="N|auto",
+              help="Tokens per draft block; default 'auto': picked per round from measured costs and acceptance.")
 @click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding on the same target.")
 @click.option("--seed", type=int, default=None, help="Sampling seed (reproducible replies).")
 @click.option("--device", "-d", default="CPU", show_default=True, help="OpenVINO device.")
@@ -69,10 +79,11 @@ def chat(model_dir, prompt, system, temperature, top_p, top_k, max_new_tokens, b
 
     try:
         SamplingParams(temperature, top_p, top_k, seed)  # reject bad values before the slow load
+        block_size = _parse_block_size(block_size)
         with _sigint_to_main_thread_only():
             pipe = DFlashPipeline.from_pretrained(model_dir, device=device, draft=not no_draft,
                                                   cache_dir=cache_dir, **_parse_config(config))
-            pipe.warm_up()
+            pipe.warm_up(block_size=block_size)  # with "auto" (the default) this measures its costs
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from exc
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,

@@ -17,6 +17,11 @@ Contract:
   consumer that stops early (a stop string) never pays for the next round.
 - With no drafter (or draft=False) it is plain autoregressive decoding on the same target and
   the same sampling function: the baseline that greedy DFlash must match token for token.
+- With a `policy` (`block_policy.BlockPolicy` or anything with `choose(max_drafts) -> k`,
+  `observe_round(drafted, accepted, seconds)`), each round verifies the k drafts it chooses, up
+  to block_size - 1; k = 0 is an AR step that still feeds the drafter's context. Every round and
+  step it chose is reported back with its wall time. Only the number of verified tokens
+  changes, so output is the same as with any fixed block.
 """
 from __future__ import annotations
 
@@ -28,6 +33,13 @@ import numpy as np
 
 from .sampling import SamplingParams, accept, sample_token
 from .stats import GenerationStats
+
+
+class BlockSizePolicy(Protocol):
+    max_drafts: int
+
+    def choose(self, max_drafts: int) -> int: ...
+    def observe_round(self, num_drafted: int, num_accepted: int, seconds: float | None = None) -> None: ...
 
 
 class TargetRunner(Protocol):
@@ -77,9 +89,21 @@ def speculative_round(target: TargetRunner, drafter: DrafterRunner, last: int, c
     return [int(d) for d in drafts[:num_accepted]], next_token, new_feats
 
 
+def autoregressive_step(target: TargetRunner, feed_drafter: bool, last: int, ctx_feats: np.ndarray,
+                        params: SamplingParams, rng: np.random.Generator) -> tuple[int, np.ndarray]:
+    """One plain target step on `last`. Returns (next token, ctx_feats with `last`'s features
+    appended when a drafter will need them later)."""
+    logits, feats = target.forward(np.array([last], dtype=np.int64), all_logits=True)
+    target.commit(1)
+    if feed_drafter:  # keep the drafter's context complete for later rounds
+        ctx_feats = np.concatenate([ctx_feats, feats[:1]])
+    return sample_token(logits[0], params, rng), ctx_feats
+
+
 def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Sequence[int],
              max_new_tokens: int, params: SamplingParams, eos_token_ids: Sequence[int] = (),
-             block_size: int | None = None, stats: GenerationStats | None = None) -> Iterator[TokenEvent]:
+             block_size: int | None = None, stats: GenerationStats | None = None,
+             policy: BlockSizePolicy | None = None) -> Iterator[TokenEvent]:
     """Speculative (drafter given, block_size >= 2) or autoregressive generation; see module doc."""
     stats = stats if stats is not None else GenerationStats()
     prompt = np.asarray(prompt_ids, dtype=np.int64)
@@ -90,7 +114,9 @@ def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Se
                                  f"{target.max_length} (prompt + at least 1 new token must fit)")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    block_size = drafter.block_size if (drafter is not None and block_size is None) else (block_size or 1)
+    if drafter is not None and block_size is None:
+        block_size = policy.max_drafts + 1 if policy is not None else drafter.block_size
+    block_size = block_size or 1
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     eos = set(int(t) for t in eos_token_ids)
@@ -127,18 +153,20 @@ def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Se
                     return
             # never verify past the context limit nor past max_new_tokens: no wasted rounds
             block = min(block_size, max_new_tokens - num_out, target.max_length - 1 - target.committed)
+            policy_decides = drafter is not None and policy is not None and block >= 2
+            if policy_decides:
+                block = 1 + policy.choose(block - 1)
+            t_round = time.perf_counter()
             if drafter is None or block < 2:
-                logits, feats = target.forward(np.array([last], dtype=np.int64), all_logits=True)
-                target.commit(1)
-                last = sample_token(logits[0], params, rng)
+                last, ctx_feats = autoregressive_step(target, drafter is not None, last, ctx_feats, params, rng)
                 stats.num_ar_steps += 1
-                if drafter is not None:  # keep the drafter's context complete for later rounds
-                    ctx_feats = np.concatenate([ctx_feats, feats[:1]])
-                pending = [(last, False)]
+                accepted = []
             else:
                 accepted, last, ctx_feats = speculative_round(target, drafter, last, ctx_feats, block,
                                                               params, rng, stats)
-                pending = [(t, True) for t in accepted] + [(last, False)]
+            if policy_decides:
+                policy.observe_round(block - 1, len(accepted), time.perf_counter() - t_round)
+            pending = [(t, True) for t in accepted] + [(last, False)]
     finally:  # also runs when the consumer stops early (stop string, Ctrl-C)
         stats.num_compactions += target.num_compactions - compactions_before
         stats.total_s += time.perf_counter() - t_start

@@ -43,6 +43,15 @@ def kv_seq_axes(model: ov.Model) -> dict[str, int]:
     return axes
 
 
+def run_request(request: ov.InferRequest, inputs: dict) -> None:
+    """One inference, inputs shared (no copies). start_async + wait, as openvino.genai's decode
+    loop does, not infer(): infer() runs the graph on the calling Python thread, and with 2
+    threads on a shared 2-vCPU VM our AR made 10-20 % fewer tokens/s that way
+    (docs/BENCHMARKS.md, issue 5; `tools/profile_round.py --sections loop`)."""
+    request.start_async(inputs, share_inputs=True)
+    request.wait()
+
+
 class OVTarget:
     def __init__(self, compiled: ov.CompiledModel, max_length: int, seq_axes: dict[str, int] | None = None,
                  compact_fraction: float = 0.25, compact_min_garbage: int = 64):
@@ -89,13 +98,13 @@ class OVTarget:
             rows = self.row_indices[:num]
         else:
             rows = np.array([num - 1], dtype=np.int64)
-        self.request.infer({
+        run_request(self.request, {
             "input_ids": np.ascontiguousarray(token_ids, dtype=np.int64).reshape(1, num),
             "attention_mask": self.mask[:, :end],
             "position_ids": self.positions[:, self.committed:self.committed + num],  # logical
             "beam_idx": self.beam_idx,
             "logits_indices": rows,
-        }, share_inputs=True, share_outputs=True)
+        })
         self.physical, self.pending = end, num
         return self.request.get_tensor(self.logits_out).data[0], self.request.get_tensor(self.hidden_out).data[0]
 
@@ -149,13 +158,13 @@ class OVDrafter:
         if block > self.block.shape[1]:
             self.block = np.full((1, block), self.mask_token_id, dtype=np.int64)
         self.block[0, 0] = last
-        self.request.infer({
+        run_request(self.request, {
             "input_ids": self.block[:, :block],
             "hidden_states": np.ascontiguousarray(ctx_feats, dtype=np.float32)[None],
             "position_ids": self.positions[:, start - num_ctx:start + block],
             "attention_mask": self.ones[:, : start + block],
             "beam_idx": self.beam_idx,
-        }, share_inputs=True, share_outputs=True)
+        })
         self.context_len = start
         return self.request.get_tensor(self.tokens_out).data[0].copy()
 

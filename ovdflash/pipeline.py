@@ -11,6 +11,12 @@ Contract:
   block_size, draft)` -> `GenerationResult(text, token_ids, finish_reason, stats)`.
   `stream(...)` yields text once per accepted block (the same text, in pieces). `draft=None`
   uses the drafter when one is loaded; `draft=False` (or block_size=1) is plain autoregressive.
+  `block_size="auto"`: a `block_policy.BlockPolicy` picks the drafts per round (0 = AR step, at
+  most the trained block - 1); its cost curves are measured on the real models at the first
+  "auto" call (`auto_block_policy()`, ~2-6 s on SmolLM2) and it keeps learning acceptance
+  across calls. `block_size=None` means `default_block_size`: "auto" from `from_pretrained`
+  (it measured at least as fast as every fixed block on code, math and chat: docs/BENCHMARKS.md),
+  the trained block size (`block_size`) for a pipeline built directly.
   `generate_tokens(prompt_ids, ...)` is the token-level API (engine.TokenEvent per token).
 - A prompt is a string (encoded with the tokenizer's special tokens, and the manifest's
   `bos_token_id` in front if the tokenizer did not add it), a list of chat messages (rendered
@@ -29,12 +35,14 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from . import engine
+from .block_policy import BlockPolicy, measure_costs
 from .sampling import SamplingParams
 from .stats import GenerationStats
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 FORMAT = "ovdflash/1"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "ovdflash" / "ov_cache"
+CALIBRATION_PROMPT = "Explain in a few sentences how a CPU cache speeds up a program."
 
 
 @dataclass
@@ -84,17 +92,19 @@ def default_compile_config(manifest: dict) -> dict:
 class DFlashPipeline:
     def __init__(self, target, drafter, tokenizer: Tokenizer | None, eos_token_ids: Sequence[int],
                  block_size: int, mask_token_id: int | None = None, model_dir: Path | None = None,
-                 bos_token_id: int | None = None):
+                 bos_token_id: int | None = None, default_block_size: int | str | None = None):
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
-        self.block_size = block_size
+        self.block_size = block_size  # the drafter's trained block: the largest "auto" verifies
+        self.default_block_size = default_block_size if default_block_size is not None else block_size
         self.mask_token_id = mask_token_id
         self.model_dir = model_dir
         self.bos_token_id = bos_token_id  # prepended to plain-text prompts when the tokenizer does not
         self.stats = GenerationStats()       # cumulative
         self.last_stats = GenerationStats()  # latest call
+        self.block_policy: BlockPolicy | None = None  # for block_size="auto"; built on first use
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path | None = None, device: str = "CPU", draft: bool = True,
@@ -111,25 +121,42 @@ class DFlashPipeline:
                                           use_draft_vocab=use_draft_vocab)
         tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
         return cls(target, drafter, tokenizer, manifest.get("eos_token_ids", []), int(manifest["block_size"]),
-                   manifest.get("mask_token_id"), model_dir, manifest.get("bos_token_id"))
+                   manifest.get("mask_token_id"), model_dir, manifest.get("bos_token_id"), default_block_size="auto")
 
     # -- token level ---------------------------------------------------------------------------
     def generate_tokens(self, prompt_ids: Sequence[int], max_new_tokens: int = 256, temperature: float = 0.0,
                         top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                        block_size: int | None = None, draft: bool | None = None,
+                        block_size: int | str | None = None, draft: bool | None = None,
                         eos_token_ids: Sequence[int] | None = None,
                         stats: GenerationStats | None = None) -> Iterator[engine.TokenEvent]:
         params = SamplingParams(temperature, top_p, top_k, seed)
         if draft and self.drafter is None:
             raise ValueError("draft=True, but this pipeline was loaded without a drafter")
-        use_drafter = self.drafter if draft is not False and (block_size is None or block_size > 1) else None
-        if use_drafter is not None and block_size is None:
+        block_size = self.default_block_size if block_size is None else block_size
+        auto = block_size == "auto"
+        if isinstance(block_size, str) and not auto:
+            raise ValueError(f"block_size must be an integer or 'auto', got {block_size!r}")
+        use_drafter = self.drafter if draft is not False and (auto or block_size > 1) else None
+        policy = self.auto_block_policy() if auto and use_drafter is not None else None
+        if auto:
             block_size = self.block_size
         eos = self.eos_token_ids if eos_token_ids is None else eos_token_ids
         call_stats = GenerationStats()
         events = engine.generate(self.target, use_drafter, prompt_ids, max_new_tokens, params, eos,
-                                 block_size if use_drafter is not None else 1, call_stats)
+                                 block_size if use_drafter is not None else 1, call_stats, policy)
         return self._recorded(events, call_stats, stats)
+
+    def auto_block_policy(self) -> BlockPolicy:
+        """The policy behind block_size="auto": on first use, measures the verify cost of 1..B
+        tokens and the draft cost on the real models (B = the trained block size)."""
+        if self.block_policy is None:
+            if self.drafter is None:
+                raise ValueError("block_size='auto' needs a drafter")
+            prompt = (self.encode_prompt([{"role": "user", "content": CALIBRATION_PROMPT}]) if self.tokenizer
+                      else list(range(1, 33)))
+            step_cost_s, draft_cost_s = measure_costs(self.target, self.drafter, prompt, self.block_size - 1)
+            self.block_policy = BlockPolicy(step_cost_s, draft_cost_s)
+        return self.block_policy
 
     def _recorded(self, events, call_stats: GenerationStats, caller_stats: GenerationStats | None):
         try:
@@ -141,12 +168,13 @@ class DFlashPipeline:
             if caller_stats is not None:
                 caller_stats.merge(call_stats)
 
-    def warm_up(self, num_tokens: int = 4) -> None:
-        """One short generation, so first-call costs (worker threads, first-shape kernels) are paid now."""
+    def warm_up(self, num_tokens: int = 4, block_size: int | str | None = None) -> None:
+        """One short generation, so first-call costs (worker threads, first-shape kernels, and for
+        "auto" the cost measurement) are paid now."""
         prompt = [self.eos_token_ids[0] if self.eos_token_ids else 0]
         kept = self.stats, self.last_stats  # a warm-up is not a user call: leave the stats alone
         self.stats = GenerationStats()
-        for _ in self.generate_tokens(prompt, num_tokens, eos_token_ids=()):
+        for _ in self.generate_tokens(prompt, num_tokens, block_size=block_size, eos_token_ids=()):
             pass
         self.stats, self.last_stats = kept
 
@@ -203,7 +231,7 @@ class DFlashPipeline:
 
     def stream(self, prompt_or_messages, max_new_tokens: int = 256, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
-               block_size: int | None = None, draft: bool | None = None) -> Iterator[str]:
+               block_size: int | str | None = None, draft: bool | None = None) -> Iterator[str]:
         result = GenerationResult("", [], "", GenerationStats())
         yield from self._blocks(prompt_or_messages, stop, result, max_new_tokens=max_new_tokens,
                                 temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
@@ -211,7 +239,7 @@ class DFlashPipeline:
 
     def generate(self, prompt_or_messages, max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
-                 block_size: int | None = None, draft: bool | None = None) -> GenerationResult:
+                 block_size: int | str | None = None, draft: bool | None = None) -> GenerationResult:
         result = GenerationResult("", [], "", GenerationStats())
         for _ in self._blocks(prompt_or_messages, stop, result, max_new_tokens=max_new_tokens,
                               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,

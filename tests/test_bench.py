@@ -8,11 +8,12 @@ tokens of our `ar` mode; the CLI writes bench.json and a PNG.
 import json
 import statistics
 
+import click
 import pytest
 from click.testing import CliRunner
 
 from ovdflash import STRICT_F32
-from ovdflash.bench import Run, bench, run_benchmark, summarize
+from ovdflash.bench import Run, bench, parse_block_sizes, run_benchmark, summarize
 
 try:
     import openvino_genai  # noqa: F401
@@ -111,3 +112,28 @@ def test_export_writes_an_openvino_tokenizer_that_genai_reads(tiny_pair):
     theirs = og.Tokenizer(str(tiny_pair / "target")).encode(text, add_special_tokens=False).input_ids.data[0]
     assert list(theirs) == ours
     assert og.Tokenizer(str(tiny_pair / "target")).decode(ours) == text
+
+
+def test_block_sizes_parse_auto():
+    assert parse_block_sizes("4, 8,auto") == [4, 8, "auto"]
+    with pytest.raises(click.BadParameter):
+        parse_block_sizes("4,big")
+
+
+def test_auto_mode_runs_lossless_and_records_its_policy(tiny_pair, tmp_path):
+    out = tmp_path / "bench"
+    res = CliRunner().invoke(bench, [str(tiny_pair), "--prompt-sets", "code", "-n", "2", "--max-new-tokens", "12",
+                                     "--modes", "dflash,ar", "--block-sizes", "2,auto", "--repetitions", "1",
+                                     "--warmup", "0", "--no-memory", "--out", str(out),
+                                     "--config", json.dumps({**STRICT_F32, "CACHE_DIR": str(tmp_path / "c"),
+                                                             "INFERENCE_NUM_THREADS": 1})])
+    assert res.exit_code == 0, res.output
+    data = json.loads((out / "bench.json").read_text())
+    assert data["modes"] == ["dflash@2", "dflash@auto", "ar"]
+    assert data["agreement"]["dflash@auto"] == 1.0
+    auto = data["prompt_sets"]["code"]["modes"]["dflash@auto"]
+    assert auto["num_drafts"] + auto["num_ar_steps"] > 0 and "dflash@auto / best AR" in \
+        data["prompt_sets"]["code"]["ratios"]
+    policy = data["block_policy"]
+    assert len(policy["round_ms_by_drafts"]) == len(policy["acceptance_by_position"]) + 1 == 4  # tiny block 4
+    assert (out / "bench.png").exists()

@@ -13,11 +13,21 @@ CLI = [sys.executable, "-m", "ovdflash.cli", "chat"]
 
 
 def test_chat_prompt_one_reply(tiny_pair, tmp_path):
+    # the default block size is "auto": with the tiny random drafter it mostly steps AR
     proc = subprocess.run(CLI + [str(tiny_pair), "--prompt", "Hello there", "-n", "16", "--cache-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr
-    assert "tok/s" in proc.stderr and "accept len" in proc.stderr  # one stats line, speculative
-    assert proc.stderr.count("tok/s") == 1
+    assert proc.stderr.count("tok/s") == 1  # one stats line
+
+
+def test_chat_fixed_and_bad_block_size(tiny_pair, tmp_path):
+    proc = subprocess.run(CLI + [str(tiny_pair), "--prompt", "Hello there", "-n", "16", "--block-size", "4",
+                                 "--cache-dir", str(tmp_path)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "accept len" in proc.stderr  # a fixed block drafts every round
+    proc = subprocess.run(CLI + [str(tiny_pair), "--prompt", "x", "--block-size", "big"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "--block-size" in proc.stderr
 
 
 def test_chat_no_draft_and_sampling_flags(tiny_pair, tmp_path):
@@ -80,7 +90,7 @@ class PtySession:
 
 
 def test_chat_interactive_in_a_pty(tiny_pair, tmp_path):
-    session = PtySession(CLI + [str(tiny_pair), "-n", "12", "--cache-dir", str(tmp_path)])
+    session = PtySession(CLI + [str(tiny_pair), "-n", "12", "--block-size", "4", "--cache-dir", str(tmp_path)])
     session.expect(">>> ")
     session.send("Hello there\n")
     session.expect("tok/s")                # the reply streamed, then one stats line

@@ -119,7 +119,8 @@ def test_greedy_with_draft_vocab_equals_autoregressive(vocab_pair, tmp_path):
     for n in (1, 5, 17, 40):
         prompt = rng.integers(0, 300, size=n).tolist()
         ar = [e.token for e in pipe.generate_tokens(prompt, 40, draft=False, eos_token_ids=[])]
-        spec = [e.token for e in pipe.generate_tokens(prompt, 40, draft=True, eos_token_ids=[])]
+        spec = [e.token for e in pipe.generate_tokens(prompt, 40, draft=True, block_size=pipe.block_size,
+                                                      eos_token_ids=[])]
         assert spec == ar
         # drafts straight from the drafter runner: restricted with the file, not without it
         feats = rng.standard_normal((n, feat)).astype(np.float32)

@@ -37,6 +37,7 @@ def strict_pipe(tiny_pair, tmp_path_factory):
     pipe = DFlashPipeline.from_pretrained(tiny_pair, cache_dir=tmp_path_factory.mktemp("ov_cache"),
                                           INFERENCE_NUM_THREADS=1, **STRICT_F32)  # tiny calls: 1 thread is faster
     pipe.target.compact_min_garbage = 24  # force compactions in short generations
+    pipe.default_block_size = pipe.block_size  # fixed blocks here; tests/test_block_policy.py covers "auto"
     return pipe
 
 

@@ -35,8 +35,9 @@ def test_running_the_pipeline_does_not_import_torch(tiny_pair, tmp_path):
         import sys
         from ovdflash import DFlashPipeline
         pipe = DFlashPipeline.from_pretrained({str(tiny_pair)!r}, cache_dir={str(tmp_path)!r})
-        r1 = pipe.generate("hello", max_new_tokens=12)
-        r2 = pipe.generate([{{"role": "user", "content": "hi"}}], max_new_tokens=12, temperature=0.8, seed=1)
+        r1 = pipe.generate("hello", max_new_tokens=12, block_size=pipe.block_size)
+        r2 = pipe.generate([{{"role": "user", "content": "hi"}}], max_new_tokens=12, temperature=0.8, seed=1,
+                           block_size="auto")
         assert len(r1.token_ids) > 0 and len(r2.token_ids) > 0
         print('DRAFTS', pipe.stats.num_drafts)
     """)

@@ -27,8 +27,10 @@ class CountingRequest:
 
 @pytest.fixture(scope="module")
 def pipe(tiny_pair, tmp_path_factory):
-    return DFlashPipeline.from_pretrained(tiny_pair, cache_dir=tmp_path_factory.mktemp("ov_cache"),
+    pipe = DFlashPipeline.from_pretrained(tiny_pair, cache_dir=tmp_path_factory.mktemp("ov_cache"),
                                           INFERENCE_NUM_THREADS=1, **STRICT_F32)  # tiny calls: 1 thread is faster
+    pipe.default_block_size = pipe.block_size  # these tests are about fixed-block rounds, not block_size="auto"
+    return pipe
 
 
 def check_masked_rollback_equals_fresh_run(pipe):
@@ -64,6 +66,7 @@ def test_every_architecture_honours_the_physical_mask(arch, export_tiny_pair, tm
     (llama = SmolLM2's), then greedy DFlash == AR on a few prompts."""
     pipe = DFlashPipeline.from_pretrained(export_tiny_pair(arch=arch), cache_dir=tmp_path,
                                           INFERENCE_NUM_THREADS=1, **STRICT_F32)
+    pipe.default_block_size = pipe.block_size  # these tests are about fixed-block rounds, not block_size="auto"
     check_masked_rollback_equals_fresh_run(pipe)
     rng = np.random.default_rng(3)
     for _ in range(5):

@@ -159,6 +159,7 @@ def test_dflash_sampling_matches_ar_on_the_real_tiny_model(tiny_pair, tmp_path):
 
     # one thread: these calls are tiny, and thread hand-offs would dominate on a shared 2-core box
     pipe = DFlashPipeline.from_pretrained(tiny_pair, cache_dir=tmp_path, INFERENCE_NUM_THREADS=1, **STRICT_F32)
+    pipe.default_block_size = SelfDrafter.block_size  # fixed blocks: every round drafts
     params = dict(temperature=0.8, top_k=6)
     prompt = [5, 17, 33]
     from ovdflash.ov_models import OVTarget

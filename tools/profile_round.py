@@ -1,7 +1,7 @@
 """Profile a DFlash round and the autoregressive baselines on one model directory.
 
 Usage: python tools/profile_round.py MODEL_DIR [--reps 7] [--tokens 128] [--out profile.json]
-       [--sections verify,drafter,round,ar,knobs] [--config '{"INFERENCE_NUM_THREADS": 1}']
+       [--sections verify,drafter,round,ar,knobs,loop,policy] [--config '{"INFERENCE_NUM_THREADS": 1}']
 
 --config: extra compile properties for every section (the knobs section overrides its own).
 
@@ -18,6 +18,10 @@ reported, because the machine is shared and noisy):
             split into infer vs host.
   knobs   - our AR tok/s and the K=8 verify for INFERENCE_NUM_THREADS 1/2 (2 also without
             CPU pinning) and KV_CACHE_PRECISION u8/f16/f32 (one compile each).
+  loop    - our AR tok/s with each inference as infer() against start_async()+wait()
+            (ov_models.run_request), and openvino.genai's AR, interleaved.
+  policy  - the automatic block size: its measured round costs (ms per k drafts, k = 0 is an
+            AR step) and the k it picks for a drafter with conditional acceptance 0.1 .. 0.9.
 """
 from __future__ import annotations
 
@@ -33,20 +37,30 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ovdflash.bench import CpuMeter, GenaiRunner, OursRunner, load_prompts  # noqa: E402
+from ovdflash.block_policy import BlockPolicy  # noqa: E402
 from ovdflash.pipeline import DFlashPipeline, default_compile_config, load_manifest  # noqa: E402
 from ovdflash.stats import GenerationStats  # noqa: E402
 
 
 class TimedRequest:
-    """Wraps an InferRequest; accumulates the wall time of infer() calls."""
+    """Wraps an InferRequest; accumulates the wall time of inferences (infer(), or start_async()
+    to wait() as ov_models.run_request does)."""
 
     def __init__(self, request):
         self._request, self.seconds, self.calls = request, 0.0, 0
+        self._started = 0.0
 
     def infer(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = self._request.infer(*args, **kwargs)
-        self.seconds += time.perf_counter() - t0
+        self.start_async(*args, **kwargs)
+        return self.wait()
+
+    def start_async(self, *args, **kwargs):
+        self._started = time.perf_counter()
+        return self._request.start_async(*args, **kwargs)
+
+    def wait(self):
+        out = self._request.wait()
+        self.seconds += time.perf_counter() - self._started
         self.calls += 1
         return out
 
@@ -157,6 +171,37 @@ def ar_compare(pipe, genai, prompts, tokens, reps, meter):
             "ours_host_ms_per_step": med(host), "foreign_cores": med(busy)}
 
 
+def loop_compare(pipe, model_dir, manifest, config, prompts, tokens, reps, meter):
+    """AR tok/s: inferences via infer() vs start_async()+wait() (the runtime's), and genai-ar."""
+    import ovdflash.ov_models as ov_models
+
+    def infer_run(request, inputs):
+        request.infer(inputs, share_inputs=True, share_outputs=True)
+
+    async_run, ours = ov_models.run_request, OursRunner(pipe, None)
+    try:
+        genai = GenaiRunner(model_dir, manifest, config, pipe.eos_token_ids, "ar")
+    except Exception as exc:  # genai missing: compare ours alone
+        print("genai-ar unavailable:", exc)
+        genai = None
+    kinds = ["infer", "start_async"] + (["genai-ar"] if genai else [])
+    rates, busy = {k: [] for k in kinds}, []
+    try:
+        for rep in range(reps):
+            for ids in prompts:
+                for kind in kinds[rep % len(kinds):] + kinds[: rep % len(kinds)]:
+                    ov_models.run_request = infer_run if kind == "infer" else async_run
+                    started = meter.start()
+                    toks, wall, _, _ = (genai if kind == "genai-ar" else ours)(ids, tokens)
+                    busy.append(meter.foreign_cores(started))
+                    rates[kind].append(len(toks) / wall)
+    finally:
+        ov_models.run_request = async_run
+    tps = {k: med(v) for k, v in rates.items()}
+    return {"tokens_per_s": tps, "ratio_to_infer": {k: round(v / tps["infer"], 3) for k, v in tps.items()},
+            "foreign_cores": med(busy)}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir", type=Path)
@@ -216,6 +261,18 @@ def main():
                 verify8[name].append(verify_curve(variants[name], prompt, 1, ks=(8,))["8"])
         report("knobs", {name: {"ar_tokens_per_s": med(rates[name]), "verify8_ms": med(verify8[name])}
                          for name in knobs})
+    if "loop" in sections:
+        report("loop", loop_compare(pipe, args.model_dir, manifest, base, prompts, args.tokens,
+                                    max(2, args.reps // 2), meter))
+    if "policy" in sections:
+        policy = pipe.auto_block_policy()
+        picks = {}
+        for p in (0.1, 0.3, 0.5, 0.7, 0.9):
+            probe = BlockPolicy(policy.round_cost_s, [0.0] * len(policy.round_cost_s),
+                                prior_acceptance=p, prior_strength=1e9)  # draft cost is in round_cost_s
+            picks[str(p)] = probe.choose(policy.max_drafts)
+        report("policy", {"round_ms_by_drafts": [round(1e3 * c, 2) for c in policy.round_cost_s],
+                          "drafts_chosen_by_acceptance": picks})
     result["foreign_cores_whole_run"] = round(meter.foreign_cores(started), 2)
     print("foreign cores (other processes) during the whole run:", result["foreign_cores_whole_run"])
     if args.out:

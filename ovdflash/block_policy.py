@@ -1,0 +1,168 @@
+"""Automatic block size: per round, how many drafts to verify (0 = a plain autoregressive step).
+
+Contract:
+- `BlockPolicy(step_cost_s, draft_cost_s)`: `step_cost_s[k]` is the measured seconds of a
+  target verify of k+1 tokens (k drafts plus the last token; k = 0 is one AR step) and
+  `draft_cost_s[k]` the seconds of a drafter call proposing k drafts (`draft_cost_s[0]` is 0: an
+  AR step does not call the drafter). Both have length `max_drafts + 1`.
+- `choose(max_drafts)` returns k in 0..min(max_drafts, self.max_drafts) that maximizes the
+  expected tokens per second E[accepted + 1](k) / (draft_cost_s[k] + step_cost_s[k]), with
+  E[accepted + 1](k) = 1 + sum_{j<=k} prod_{i<=j} p_i and p_i the estimated conditional acceptance
+  of draft i given drafts 1..i-1 were accepted.
+- `observe_round(num_drafted, num_accepted, seconds=None)` (num_drafted = 0: an AR step)
+  moves the cost of that k, when timed, towards what it cost in use (an EMA at
+  `cost_update_rate`, each sample clipped to 0.5-2x the estimate so one descheduled call
+  cannot swing it): in use, k changes from round to round, a call whose input shape changed
+  costs more than the calibration's steady state, and the drafter catches up on the context
+  of the AR steps before it. A round with drafts also updates the p_i: positions 1..a
+  accepted, position a+1 rejected (if a < drafted), later positions unseen. Counts decay by
+  `decay` per round (the default keeps about the last 10), on top of a Beta prior of
+  `prior_strength` pseudo-rounds whose mean is `prior_acceptance` for p_1 and the estimate of
+  p_{i-1} for p_i (unseen positions look like the one before them).
+- Exploration: after `explore_every` consecutive AR choices, `choose` drafts once (the best
+  k >= 1), so a policy that fell back to AR keeps its acceptance estimates fresh. Each probe
+  that leaves AR still preferred doubles the wait (up to `max_explore_every`): a probe costs
+  about 2-3 AR steps (a drafter catch-up over the skipped context, a verify of a new shape),
+  so a drafter that stays bad is probed ever more rarely; choosing to draft resets the wait.
+- `measure_costs(target, drafter, prompt_ids, max_drafts)` measures the two cost curves with
+  real rounds of the engine (so the costs include accept, commit and the Python around them).
+Any policy only changes how many tokens are verified, never which are kept: output stays
+identical to autoregressive decoding (greedy) or distributed as it (sampling).
+Pure python/numpy: no OpenVINO here.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Sequence
+
+import numpy as np
+
+
+class BlockPolicy:
+    def __init__(self, step_cost_s: Sequence[float], draft_cost_s: Sequence[float],
+                 prior_acceptance: float = 0.5, prior_strength: float = 2.0, decay: float = 0.9,
+                 explore_every: int = 32, max_explore_every: int = 256, cost_update_rate: float = 0.1):
+        if len(step_cost_s) != len(draft_cost_s) or len(step_cost_s) < 1:
+            raise ValueError("step_cost_s and draft_cost_s need one entry per draft count 0..max_drafts")
+        if min(step_cost_s) <= 0:
+            raise ValueError(f"step costs must be > 0, got {list(step_cost_s)}")
+        self.round_cost_s = [float(s) + (float(d) if k else 0.0)
+                             for k, (s, d) in enumerate(zip(step_cost_s, draft_cost_s))]
+        self.max_drafts = len(step_cost_s) - 1
+        self.cost_update_rate = cost_update_rate
+        self.prior_acceptance = prior_acceptance
+        self.prior_strength = prior_strength
+        self.decay = decay
+        self.explore_every = explore_every
+        self.max_explore_every = max_explore_every
+        self.explore_wait = explore_every  # AR choices before the next probe
+        self.accepted = [0.0] * self.max_drafts  # decayed counts per draft position (1-based i -> [i-1])
+        self.seen = [0.0] * self.max_drafts
+        self.ar_streak = 0
+
+    def acceptance(self) -> list[float]:
+        """Estimated conditional acceptance p_i of draft i, i = 1..max_drafts. The prior mean of
+        p_i is p_{i-1} (of p_1: `prior_acceptance`), so rarely verified late positions look like
+        the last well-observed one: a good drafter gets its longer blocks tried, and verified."""
+        estimates, prior = [], self.prior_acceptance
+        for a, n in zip(self.accepted, self.seen):
+            prior = (a + self.prior_strength * prior) / (n + self.prior_strength)
+            estimates.append(prior)
+        return estimates
+
+    def expected_tokens_per_s(self, max_drafts: int | None = None) -> list[float]:
+        """E[accepted + 1](k) / cost(k) for k = 0..max_drafts."""
+        limit = self.max_drafts if max_drafts is None else min(max_drafts, self.max_drafts)
+        rates, expected, reach = [], 1.0, 1.0
+        p = self.acceptance()
+        for k in range(limit + 1):
+            if k:
+                reach *= p[k - 1]      # P(drafts 1..k all accepted)
+                expected += reach
+            rates.append(expected / self.round_cost_s[k])
+        return rates
+
+    def choose(self, max_drafts: int) -> int:
+        rates = self.expected_tokens_per_s(max_drafts)
+        best = int(np.argmax(rates))
+        if best:  # drafting pays; once it stops paying, probe soon
+            self.ar_streak, self.explore_wait = 0, self.explore_every
+            return best
+        if len(rates) == 1:
+            return 0
+        self.ar_streak += 1
+        if self.ar_streak <= self.explore_wait:
+            return 0
+        # probe: without drafting the p_i never change; back off while probes keep failing
+        self.ar_streak, self.explore_wait = 0, min(2 * self.explore_wait, self.max_explore_every)
+        return 1 + int(np.argmax(rates[1:]))
+
+    def observe_round(self, num_drafted: int, num_accepted: int, seconds: float | None = None) -> None:
+        if seconds is not None:
+            estimate = self.round_cost_s[num_drafted]
+            sample = min(max(seconds, 0.5 * estimate), 2.0 * estimate)
+            self.round_cost_s[num_drafted] = estimate + self.cost_update_rate * (sample - estimate)
+        if num_drafted == 0:
+            return
+        self.accepted = [a * self.decay for a in self.accepted]
+        self.seen = [n * self.decay for n in self.seen]
+        for i in range(min(num_accepted + 1, num_drafted, self.max_drafts)):
+            self.seen[i] += 1.0
+            self.accepted[i] += 1.0 if i < num_accepted else 0.0
+
+
+def nondecreasing(values: Sequence[float]) -> list[float]:
+    """The least-squares nondecreasing fit of `values` (pool adjacent violators): verifying more
+    tokens never costs less, so a dip in a noisy measured curve is noise."""
+    pools: list[list[float]] = []  # [mean, count]
+    for value in values:
+        pools.append([float(value), 1])
+        while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
+            (mean2, n2), (mean1, n1) = pools.pop(), pools.pop()
+            pools.append([(mean1 * n1 + mean2 * n2) / (n1 + n2), n1 + n2])
+    return [mean for mean, n in pools for _ in range(int(n))]
+
+
+def measure_costs(target, drafter, prompt_ids: Sequence[int], max_drafts: int,
+                  repetitions: int = 3) -> tuple[list[float], list[float]]:
+    """(step_cost_s, draft_cost_s) for k = 0..max_drafts: medians over `repetitions` of greedy
+    engine rounds with k drafts (k = 0: an AR step), each curve made nondecreasing in k.
+    The k are interleaved in a rotating order, so machine noise hits every k alike, and each
+    timed pass follows an untimed pass of the same k: a change of input shape costs the next
+    call extra, and in steady use the same k repeats (a run of AR steps above all), so timing
+    right after a switch would overcharge AR steps and make drafting look cheap. Resets both runners."""
+    from . import engine
+    from .sampling import SamplingParams, sample_token
+    from .stats import GenerationStats
+
+    params, rng = SamplingParams(), np.random.default_rng(0)
+    target.reset()
+    drafter.reset()
+    prompt = np.asarray(prompt_ids, dtype=np.int64)
+    logits, feats = target.forward(prompt, all_logits=False)
+    target.commit(len(prompt))
+    last, ctx_feats = sample_token(logits[-1], params, rng), np.array(feats)
+    steps, drafts = [[] for _ in range(max_drafts + 1)], [[] for _ in range(max_drafts + 1)]
+    ks = list(range(max_drafts + 1))
+    for rep in range(repetitions):
+        for k in ks[rep % len(ks):] + ks[: rep % len(ks)]:
+            if target.committed + 2 * (k + 1) >= target.max_length:
+                break  # out of context: keep what was measured
+            for _ in range(2):  # the stats of the second pass are kept (see above)
+                stats = GenerationStats()
+                if k == 0:
+                    t0 = time.perf_counter()
+                    last, ctx_feats = engine.autoregressive_step(target, True, last, ctx_feats, params, rng)
+                    stats.verify_s = time.perf_counter() - t0
+                else:
+                    _, last, ctx_feats = engine.speculative_round(target, drafter, last, ctx_feats, k + 1,
+                                                                  params, rng, stats)
+            steps[k].append(stats.verify_s)
+            drafts[k].append(stats.draft_s)
+    target.reset()
+    drafter.reset()
+    if not all(steps):
+        raise ValueError("the calibration prompt leaves no room in the context for one pass")
+    return (nondecreasing([statistics.median(s) for s in steps]),
+            [0.0] + nondecreasing([statistics.median(d) for d in drafts[1:]]))

@@ -1,0 +1,251 @@
+"""Automatic block size (ovdflash.block_policy): the choice maths, the acceptance estimates,
+exploration, cost measurement, and losslessness of policy-driven generation (mocks and the real
+tiny OpenVINO pair under STRICT_F32)."""
+import time
+
+import numpy as np
+import pytest
+
+from mock_models import MockDrafter, MockTarget
+from ovdflash import STRICT_F32, DFlashPipeline
+from ovdflash.block_policy import BlockPolicy, measure_costs, nondecreasing
+from ovdflash.engine import generate
+from ovdflash.sampling import SamplingParams
+from ovdflash.stats import GenerationStats
+
+GREEDY = SamplingParams()
+# a verify curve rising 3 ms per token after a 25 ms single step (ms for 1..8 tokens), a 4 ms draft
+STEP_MS = [25.0, 28.0, 31.0, 34.0, 37.0, 40.0, 43.0, 46.0]
+DRAFT_MS = [0.0] + [4.0] * 7
+
+
+def smollm_like_policy(**kwargs):
+    return BlockPolicy([m / 1e3 for m in STEP_MS], [m / 1e3 for m in DRAFT_MS], **kwargs)
+
+
+def tokens(events):
+    return [e.token for e in events]
+
+
+def brute_force_rates(policy, p):
+    """E[accepted+1](k) / cost(k), summing over the outcomes a = 0..k of a round with k drafts."""
+    rates = []
+    for k in range(policy.max_drafts + 1):
+        expected = 0.0
+        for a in range(k + 1):
+            prob = np.prod(p[:a]) * ((1 - p[a]) if a < k else 1.0)
+            expected += prob * (a + 1)
+        rates.append(expected / policy.round_cost_s[k])
+    return rates
+
+
+def test_expected_rate_matches_a_brute_force_sum_over_outcomes():
+    policy = smollm_like_policy()
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        k = int(rng.integers(1, 8))
+        policy.observe_round(k, int(rng.integers(0, k + 1)))
+        assert policy.expected_tokens_per_s() == pytest.approx(brute_force_rates(policy, policy.acceptance()))
+
+
+def test_observe_round_counts_accepted_rejected_and_unseen_positions():
+    policy = smollm_like_policy(decay=1.0, prior_strength=0.0)  # raw counts
+    policy.observe_round(5, 2)     # drafts 1, 2 accepted, 3 rejected, 4 and 5 never judged
+    policy.observe_round(3, 3)     # all three accepted
+    assert policy.seen == [2, 2, 2, 0, 0, 0, 0]
+    assert policy.accepted == [2, 2, 1, 0, 0, 0, 0]
+    policy = smollm_like_policy(decay=0.5, prior_acceptance=0.3, prior_strength=2.0)
+    policy.observe_round(1, 0)
+    policy.observe_round(1, 0)
+    # counts decay (1 * 0.5 + 1), the prior stays: (0 + 0.6) / (1.5 + 2)
+    assert policy.acceptance()[0] == pytest.approx(0.6 / 3.5)
+    # an unseen position takes its prior from the position before it
+    assert policy.acceptance()[1:] == pytest.approx([0.6 / 3.5] * 6)
+    policy.observe_round(2, 2)
+    p1 = (0 + 1 + 0.6) / (0.5 * 1.5 + 1 + 2)   # accepted: 0 decayed + 1; seen: 1.5 decayed + 1
+    assert policy.acceptance()[:2] == pytest.approx([p1, (1 + 2 * p1) / 3])
+
+
+def test_costs_in_use_correct_the_calibration_robustly():
+    policy = smollm_like_policy(cost_update_rate=0.5)
+    policy.observe_round(1, 0, seconds=0.035)          # a k=1 round cost 35 ms, not the 32 calibrated
+    assert policy.round_cost_s[1] == pytest.approx(0.032 + 0.5 * 0.003)
+    policy.observe_round(0, 0, seconds=10.0)           # a descheduled AR step: clipped to 2x
+    assert policy.round_cost_s[0] == pytest.approx(0.025 + 0.5 * 0.025)
+    assert policy.seen == [1.0] + [0.0] * 6             # an AR step judges no draft
+    # a k=1 round that really costs 1.5 AR steps stops paying at a conditional acceptance of 0.3
+    policy = smollm_like_policy(prior_strength=1e6, prior_acceptance=0.3)
+    assert policy.choose(1) == 1                        # calibrated: 32 ms for 1.3 tokens vs 25 ms for 1
+    for _ in range(40):
+        policy.observe_round(1, 0, seconds=0.0375)
+        policy.observe_round(0, 0, seconds=0.025)
+    assert policy.choose(1) == 0
+
+
+@pytest.mark.parametrize("p, expected", [(0.0, 0), (0.99, 7)])
+def test_choice_follows_acceptance(p, expected):
+    policy = smollm_like_policy()
+    for _ in range(200):  # acceptance at every position p (as a drafter with that rate would show)
+        policy.observe_round(7, 7 if p > 0.5 else 0)
+    assert policy.choose(7) == expected
+    assert policy.choose(3) == min(expected, 3)   # never more than the room allows
+
+
+def test_choice_is_the_best_cost_tradeoff_not_the_longest_block():
+    # a conditional acceptance of 0.6: drafting pays, but not all the way to 7 drafts
+    policy = smollm_like_policy(prior_strength=1e6, prior_acceptance=0.6)
+    rates = policy.expected_tokens_per_s()
+    k = policy.choose(7)
+    assert k == int(np.argmax(rates)) and 0 < k < 7
+    # a flat verify curve (memory-bound target) makes long blocks worth it at the same acceptance
+    flat = BlockPolicy([0.030] * 8, [0.0] + [0.001] * 7, prior_strength=1e6, prior_acceptance=0.6)
+    assert flat.choose(7) == 7
+
+
+def test_exploration_drafts_again_after_falling_back_to_ar():
+    policy = smollm_like_policy(explore_every=10, max_explore_every=40)
+    for _ in range(100):
+        policy.observe_round(3, 0)
+    choices = [policy.choose(7) for _ in range(200)]
+    probes = [i for i, k in enumerate(choices) if k]
+    # one draft round after 10 AR steps, then after 20, 40, 40, ...: failed probes back off
+    assert probes == [10, 31, 72, 113, 154, 195]
+    # without exploration the estimates would freeze; with it a drafter that got good is
+    # noticed within a few probes: the policy then drafts every round, with growing blocks
+    choices, num_probes = [], 0
+    while len(choices) < 2000 and not (len(choices) > 2 and choices[-1] and choices[-2]):
+        k = policy.choose(7)
+        choices.append(k)
+        if k:
+            num_probes += 1
+            policy.observe_round(k, k)
+    assert choices[-1] and choices[-2] and num_probes <= 5
+    for _ in range(20):
+        k = policy.choose(7)
+        policy.observe_round(k, k)
+    assert policy.choose(7) == 7
+    assert policy.explore_wait == 10   # drafting again: the next fallback probes soon
+
+
+def test_nondecreasing_pools_dips_and_keeps_monotone_curves():
+    assert nondecreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert nondecreasing([64.0, 104.0, 82.0, 101.0]) == pytest.approx([64.0, 93.0, 93.0, 101.0])
+    assert nondecreasing([5.0, 1.0, 0.0]) == pytest.approx([2.0, 2.0, 2.0])
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        values = rng.random(8).tolist()
+        fit = nondecreasing(values)
+        assert all(a <= b + 1e-12 for a, b in zip(fit, fit[1:]))
+        assert sum(fit) == pytest.approx(sum(values))   # pooling keeps the total
+
+
+def test_rejects_inconsistent_costs():
+    with pytest.raises(ValueError):
+        BlockPolicy([0.01, 0.02], [0.0])
+    with pytest.raises(ValueError):
+        BlockPolicy([0.0, 0.02], [0.0, 0.001])
+
+
+class RandomPolicy:
+    """Chooses any allowed draft count at random: every mix of AR steps and block sizes."""
+
+    def __init__(self, max_drafts, seed=0):
+        self.max_drafts, self.rng, self.choices = max_drafts, np.random.default_rng(seed), []
+
+    def choose(self, max_drafts):
+        self.choices.append(int(self.rng.integers(0, max_drafts + 1)))
+        return self.choices[-1]
+
+    def observe_round(self, num_drafted, num_accepted, seconds=None):
+        assert 0 <= num_accepted <= num_drafted == self.choices[-1] and seconds > 0
+
+
+@pytest.mark.parametrize("error_rate", [0.0, 0.3, 0.9])
+def test_random_policy_is_lossless_on_mocks(error_rate):
+    target = MockTarget(vocab_size=32, seed=11)
+    drafter = MockDrafter(target, block_size=8, error_rate=error_rate, seed=5)   # asserts its context
+    rng = np.random.default_rng(1)
+    stats = GenerationStats()
+    for i in range(8):
+        prompt = rng.integers(0, 32, size=int(rng.integers(1, 20))).tolist()
+        ar = tokens(generate(target, None, prompt, 50, GREEDY))
+        policy = RandomPolicy(7, seed=i)
+        assert tokens(generate(target, drafter, prompt, 50, GREEDY, stats=stats, policy=policy)) == ar
+        assert max(policy.choices) <= 7
+    assert stats.num_ar_steps > 0 and stats.num_drafts > 0
+    assert len(stats.drafted_per_position) == 7
+
+
+@pytest.mark.parametrize("error_rate, mostly", [(0.0, "draft"), (1.0, "ar")])
+def test_block_policy_on_mocks_adapts_and_stays_lossless(error_rate, mostly):
+    target = MockTarget(vocab_size=32, seed=12)
+    drafter = MockDrafter(target, block_size=8, error_rate=error_rate, seed=5)
+    policy = smollm_like_policy(explore_every=16, cost_update_rate=0.0)  # mock wall times are not costs
+    stats = GenerationStats()
+    for prompt in ([1, 2, 3], [7], [4, 4, 9, 30, 2]):
+        ar = tokens(generate(target, None, prompt, 120, GREEDY))
+        assert tokens(generate(target, drafter, prompt, 120, GREEDY, stats=stats, policy=policy)) == ar
+    if mostly == "draft":
+        assert stats.num_ar_steps == 0 and stats.num_draft_tokens / stats.num_drafts > 5
+    else:   # fell back to AR, but kept probing
+        assert stats.num_ar_steps > 250 and 5 <= stats.num_drafts <= 40
+
+
+class SlowMockTarget(MockTarget):
+    """Each forward sleeps 1 ms per token on top of 2 ms: a known verify cost curve."""
+
+    def forward(self, token_ids, all_logits):
+        time.sleep(0.002 + 0.001 * len(token_ids))
+        return super().forward(token_ids, all_logits)
+
+
+def test_measure_costs_recovers_the_cost_curve_and_leaves_runners_reusable():
+    target = SlowMockTarget(vocab_size=32, seed=13)
+    drafter = MockDrafter(target, block_size=6, error_rate=0.5)
+    step, draft = measure_costs(target, drafter, [1, 2, 3, 4], max_drafts=5, repetitions=3)
+    assert len(step) == len(draft) == 6 and draft[0] == 0.0
+    assert all(d > 0 for d in draft[1:])
+    # 1 ms per extra token (the mock's numpy work and the scheduler add a little, never subtract)
+    assert step[5] - step[0] == pytest.approx(0.005, abs=0.004)
+    assert target.committed == 0 and drafter.context == []
+    policy = BlockPolicy(step, draft)
+    prompt = [3, 1, 4]
+    assert tokens(generate(target, drafter, prompt, 30, GREEDY, policy=policy)) == \
+        tokens(generate(target, None, prompt, 30, GREEDY))
+
+
+# ------------------------------------------------------------------ the real tiny OpenVINO pair
+@pytest.fixture(scope="module")
+def strict_pipe(tiny_pair, tmp_path_factory):
+    pipe = DFlashPipeline.from_pretrained(tiny_pair, cache_dir=tmp_path_factory.mktemp("ov_cache"),
+                                          INFERENCE_NUM_THREADS=1, **STRICT_F32)
+    pipe.target.compact_min_garbage = 24  # force compactions in short generations
+    return pipe
+
+
+def test_auto_block_size_through_the_real_models_equals_autoregressive(strict_pipe):
+    pipe = strict_pipe
+    policy = pipe.auto_block_policy()
+    assert policy is pipe.auto_block_policy()               # calibrated once, then kept
+    assert policy.max_drafts == pipe.block_size - 1
+    assert all(c > 0 for c in policy.round_cost_s)
+    rng = np.random.default_rng(3)
+    stats = GenerationStats()
+    for i in range(6):
+        prompt = rng.integers(0, pipe.tokenizer.vocab_size, size=int(rng.integers(1, 60))).tolist()
+        ar = tokens(pipe.generate_tokens(prompt, 40, draft=False, eos_token_ids=[]))
+        pipe.block_policy = RandomPolicy(pipe.block_size - 1, seed=i) if i % 2 else policy
+        assert tokens(pipe.generate_tokens(prompt, 40, block_size="auto", eos_token_ids=[], stats=stats)) == ar
+    assert stats.num_drafts > 0 and stats.num_ar_steps > 0
+    pipe.block_policy = policy
+    text = pipe.generate("Hello", max_new_tokens=8, block_size="auto")
+    assert text.token_ids == pipe.generate("Hello", max_new_tokens=8, draft=False).token_ids
+    with pytest.raises(ValueError):
+        pipe.generate("Hello", max_new_tokens=4, block_size="big")
+
+
+def test_auto_without_a_drafter_is_plain_autoregressive(tiny_pair, tmp_path):
+    pipe = DFlashPipeline.from_pretrained(tiny_pair, draft=False, cache_dir=tmp_path, **STRICT_F32)
+    stats = GenerationStats()
+    list(pipe.generate_tokens([1, 2, 3], 6, block_size="auto", stats=stats))
+    assert stats.num_drafts == 0 and stats.num_ar_steps == 5 and pipe.block_policy is None
