@@ -19,11 +19,13 @@ Run: `python -m ovdflash_export.textdata --tokenizer DIR --out models/smollm2/te
 from __future__ import annotations
 
 import ast
+import json
 import random
+import sys
 import sysconfig
 from pathlib import Path
 
-from .data import ShardWriter, chat_prompt_ids, data_summary
+from .data import ShardWriter, chat_prompt_ids, data_summary, read_index
 
 CODE_ASKS = ("Show me the Python source of a module like `{name}`.",
              "Write Python code in the style of the standard library module `{name}`.",
@@ -70,8 +72,8 @@ def build_text_dataset(tokenizer_dir, out_dir, code_tokens: int = 800_000, prose
     rng.shuffle(files)
     budget = {"code": code_tokens, "chat": prose_tokens}
     made = {"code": 0, "chat": 0}
-    for d in budget:  # count what a resumed run already holds
-        made[d] = sum(r["total_len"] - r["prompt_len"] for r in _rows(out_dir) if r["domain"] == d)
+    for r in read_index(out_dir):  # count what a resumed run already holds
+        made[r["domain"]] += r["total_len"] - r["prompt_len"]
     for path in files:
         if all(made[d] >= budget[d] for d in budget):
             break
@@ -99,8 +101,6 @@ def build_text_dataset(tokenizer_dir, out_dir, code_tokens: int = 800_000, prose
                           finished=answer[-1] == end)
             made[domain] += len(answer)
     summary = data_summary(out_dir)
-    import json
-    import sys
     (Path(out_dir) / "meta.json").write_text(json.dumps({
         "generator": "ovdflash_export.textdata", "source": f"Python {sys.version.split()[0]} standard library",
         "chunk_tokens": chunk_tokens, "seed": seed, "labels": "relabelled by the target at training time",
@@ -109,15 +109,8 @@ def build_text_dataset(tokenizer_dir, out_dir, code_tokens: int = 800_000, prose
     return summary
 
 
-def _rows(out_dir):
-    from .data import read_index
-
-    return read_index(out_dir)
-
-
 if __name__ == "__main__":
     import argparse
-    import json
 
     ap = argparse.ArgumentParser(description="Build teacher-forced drafter data from the Python stdlib.")
     ap.add_argument("--tokenizer", required=True, help="HF directory with the target's tokenizer")

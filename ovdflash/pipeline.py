@@ -15,7 +15,7 @@ Contract:
   most the trained block - 1); its cost curves are measured on the real models at the first
   "auto" call (`auto_block_policy()`, ~2-6 s on SmolLM2) and it keeps learning acceptance
   across calls. `block_size=None` means `default_block_size`: "auto" from `from_pretrained`
-  (it measured at least as fast as every fixed block on code, math and chat: docs/BENCHMARKS.md),
+  (it chooses between AR steps and drafting by measured cost; docs/BENCHMARKS.md has where it wins and loses),
   the trained block size (`block_size`) for a pipeline built directly.
   `generate_tokens(prompt_ids, ...)` is the token-level API (engine.TokenEvent per token).
 - A prompt is a string (encoded with the tokenizer's special tokens, and the manifest's
