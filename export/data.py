@@ -37,6 +37,8 @@ class Sequence:
     domain: str
     mode: str
     prompt_id: str
+    offset: int = -1      # where its tokens start in tokens.bin (a stable key: data only grows)
+    data_dir: str = ""    # the resolved directory it was read from
 
 
 def read_index(data_dir) -> list[dict]:
@@ -68,7 +70,7 @@ def load_sequences(data_dir, min_response: int = 2) -> list[Sequence]:
         if end > toks.size or r["total_len"] - r["prompt_len"] < min_response:
             continue
         out.append(Sequence(toks[r["offset"]:end].astype(np.int64), r["prompt_len"], r["domain"], r["mode"],
-                            r["prompt_id"]))
+                            r["prompt_id"], r["offset"], str(data_dir.resolve())))
     return out
 
 
@@ -138,6 +140,21 @@ def _work_list(prompts: list[dict], passes: list[tuple[str, int]], done: set) ->
     return work
 
 
+def _open_work(hf_model_dir, prompts_dir, out_dir, split: str, sample_reps: int):
+    """(HF tokenizer, eos id, ShardWriter, work list still to do) for a generator run."""
+    from transformers import AutoTokenizer
+
+    from ovdflash_export.prompts import load_prompts
+
+    tok = AutoTokenizer.from_pretrained(str(hf_model_dir))
+    prompts = []
+    for d in DOMAINS:
+        prompts += load_prompts(Path(prompts_dir) / f"{split}_{d}.jsonl")
+    writer = ShardWriter(out_dir)
+    passes = [("greedy", 0)] + [("sample", r) for r in range(1, sample_reps + 1)]
+    return tok, tok.convert_tokens_to_ids("<|im_end|>"), writer, _work_list(prompts, passes, writer.done)
+
+
 def export_generation_ir(hf_model_dir, out_dir) -> Path:
     """The generator's target IR: optimum-intel export with int8 (asym, per-channel) weights."""
     from optimum.intel import OVModelForCausalLM, OVWeightQuantizationConfig
@@ -181,18 +198,8 @@ def generate_dataset(ov_model_dir, hf_model_dir, prompts_dir, out_dir, *, max_ne
     """Generate greedy then `sample_reps` sampled passes over the `split` prompts; resumable."""
     import openvino as ov
     import openvino_genai as og
-    from transformers import AutoTokenizer
 
-    from ovdflash_export.prompts import load_prompts
-
-    tok = AutoTokenizer.from_pretrained(str(hf_model_dir))
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    prompts = []
-    for d in DOMAINS:
-        prompts += load_prompts(Path(prompts_dir) / f"{split}_{d}.jsonl")
-    writer = ShardWriter(out_dir)
-    passes = [("greedy", 0)] + [("sample", r) for r in range(1, sample_reps + 1)]
-    work = _work_list(prompts, passes, writer.done)
+    tok, eos, writer, work = _open_work(hf_model_dir, prompts_dir, out_dir, split, sample_reps)
     log(f"{len(work)} generations to do ({len(writer.done)} already stored)")
 
     sc = og.SchedulerConfig()
@@ -257,11 +264,72 @@ def generate_dataset(ov_model_dir, hf_model_dir, prompts_dir, out_dir, *, max_ne
     return data_summary(out_dir)
 
 
+def generate_dataset_torch(hf_model_dir, prompts_dir, out_dir, *, max_new_tokens=320, batch=256, sample_reps=3,
+                           max_prompt_tokens=768, deadline: float | None = None, split: str = "train",
+                           device: str = "auto", log=print) -> dict:
+    """The same dataset as `generate_dataset` (same work list, rows and resume), generated with
+    transformers' batched `generate` in f32: the backend for a CUDA machine, where one static
+    batch of a few hundred prompts keeps the GPU busy. Sampled passes seed torch per batch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       "cpu" if device == "auto" else device)
+    if dev.type == "cuda":  # f32 maths, as the deployed target (bf16 hurts SmolLM2; tf32 would too)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    tok, eos, writer, work = _open_work(hf_model_dir, prompts_dir, out_dir, split, sample_reps)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    model = AutoModelForCausalLM.from_pretrained(str(hf_model_dir), dtype=torch.float32).to(dev).eval()
+    log(f"{len(work)} generations to do ({len(writer.done)} already stored), device {dev}")
+    meta_path = Path(out_dir) / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"runs": []}
+    meta.update(generator=f"transformers.generate ({dev.type})", hf_model=str(hf_model_dir), dtype="float32",
+                max_new_tokens=max_new_tokens, sample={"temperature": 0.7, "top_p": 0.95})
+    run = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "response_tokens": 0, "seconds": 0.0}
+    meta["runs"].append(run)
+    t0 = time.time()
+    i = 0
+    while i < len(work) and (deadline is None or time.time() < deadline):
+        mode, rep = work[i][1], work[i][2]
+        group = [w for w in work[i:i + batch] if w[1:] == (mode, rep)]  # one generation config per batch
+        i += len(group)
+        ids = [chat_prompt_ids(tok, p["turns"])[-max_prompt_tokens:] for p, _, _ in group]
+        width = max(map(len, ids))
+        input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
+        attn = torch.zeros((len(ids), width), dtype=torch.long)
+        for r, x in enumerate(ids):  # left padding
+            input_ids[r, width - len(x):] = torch.tensor(x)
+            attn[r, width - len(x):] = 1
+        kw = dict(do_sample=False)
+        if mode == "sample":
+            torch.manual_seed(rep * 1_000_003 + i)
+            kw = dict(do_sample=True, temperature=0.7, top_p=0.95, top_k=0)
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids.to(dev), attention_mask=attn.to(dev),
+                                 max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, **kw)
+        new = out[:, width:].cpu().numpy()
+        for (p, _, _), x, row in zip(group, ids, new):
+            stop = np.flatnonzero(row == eos)
+            resp = row[: stop[0] + 1] if stop.size else row
+            writer.append(list(x) + resp.tolist(), len(x), p["domain"], mode, p["id"], rep, bool(stop.size))
+            run["response_tokens"] += int(resp.size)
+        run["seconds"] = round(time.time() - t0, 1)
+        meta_path.write_text(json.dumps(meta, indent=1))
+        log(f"[{i}/{len(work)}] run total {run['response_tokens']} tokens, "
+            f"{run['response_tokens'] / max(time.time() - t0, 1e-9):.0f} tok/s")
+    return data_summary(out_dir)
+
+
 if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description="Generate drafter training data with the target (OpenVINO GenAI).")
-    ap.add_argument("--ov-model", required=True, help="target IR directory (exported from --hf-model if missing)")
+    ap.add_argument("--ov-model", help="target IR directory (exported from --hf-model if missing); "
+                    "needed by the openvino backend")
+    ap.add_argument("--backend", default="openvino", choices=["openvino", "torch"],
+                    help="openvino: GenAI continuous batching (CPU); torch: transformers generate (CUDA machines)")
+    ap.add_argument("--device", default="auto", help="torch backend only: cuda, cpu or auto")
     ap.add_argument("--hf-model", required=True)
     ap.add_argument("--prompts", default="models/prompts")
     ap.add_argument("--out", default="models/smollm2/data")
@@ -272,10 +340,18 @@ if __name__ == "__main__":
     ap.add_argument("--split", default="train", choices=["train", "eval"],
                     help="which prompt files (eval: the held-out sets, for acceptance estimates only)")
     a = ap.parse_args()
+    deadline = time.time() + a.minutes * 60 if a.minutes else None
+    if a.backend == "torch":
+        print(json.dumps(generate_dataset_torch(a.hf_model, a.prompts, a.out, max_new_tokens=a.max_new_tokens,
+                                                batch=a.batch, sample_reps=a.sample_reps, deadline=deadline,
+                                                split=a.split, device=a.device,
+                                                log=lambda s: print(s, flush=True)), indent=1))
+        raise SystemExit(0)
+    if not a.ov_model:
+        ap.error("--ov-model is required with --backend openvino")
     if not (Path(a.ov_model) / "openvino_model.xml").is_file():
         print(f"exporting the generation IR to {a.ov_model}", flush=True)
         export_generation_ir(a.hf_model, a.ov_model)
-    deadline = time.time() + a.minutes * 60 if a.minutes else None
     print(json.dumps(generate_dataset(a.ov_model, a.hf_model, a.prompts, a.out, max_new_tokens=a.max_new_tokens,
                                       batch=a.batch, sample_reps=a.sample_reps, deadline=deadline, split=a.split,
                                       log=lambda s: print(s, flush=True)), indent=1))

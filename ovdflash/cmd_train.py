@@ -54,10 +54,13 @@ def _ids(text):
 @click.option("--no-relabel", is_flag=True,
               help="Train on the stored tokens instead of the target's greedy chain (see train.py; "
                    "teacher-forced text data needs relabelling).")
+@click.option("--features", "features_root", default=None, type=click.Path(exists=True, file_okay=False),
+              help="Precomputed OpenVINO target features (python -m ovdflash_export.features): one sub-directory "
+                   "per data directory's name; those sequences never run the torch target.")
 @click.option("--evaluate-only", is_flag=True, help="Only print the tau estimate of the checkpoint in --out on --eval-data.")
 def train(target, data_dirs, eval_dirs, out_dir, state_dir, layers, block_size, target_layer_ids, num_features, mask_token_id,
           anchors, batch_seqs, max_len, lr, warmup_steps, max_steps, minutes, gamma, num_negatives, no_vocab_subset,
-          no_feature_scaling, val_every, new_per_step, reload_every, save_every_s, feature_cache_gb, seed, device, threads, init_from, no_relabel, evaluate_only):
+          no_feature_scaling, val_every, new_per_step, reload_every, save_every_s, feature_cache_gb, seed, device, threads, init_from, no_relabel, features_root, evaluate_only):
     """Distill a DFlash drafter for a target model."""
     try:
         from ovdflash_export.train import TrainConfig, evaluate_checkpoint
@@ -69,7 +72,8 @@ def train(target, data_dirs, eval_dirs, out_dir, state_dir, layers, block_size, 
 
         target = str(fetch_smollm2())
     if evaluate_only:
-        click.echo(json.dumps(evaluate_checkpoint(out_dir, target, list(eval_dirs or data_dirs), device=device),
+        click.echo(json.dumps(evaluate_checkpoint(out_dir, target, list(eval_dirs or data_dirs), device=device,
+                                              features_root=features_root),
                               indent=1))
         return
     if max_steps is None and minutes is None:
@@ -82,6 +86,6 @@ def train(target, data_dirs, eval_dirs, out_dir, state_dir, layers, block_size, 
                       feature_scaling=not no_feature_scaling, val_every=val_every, new_per_step=new_per_step, reload_every=reload_every,
                       save_every_s=save_every_s,
                       feature_cache_gb=feature_cache_gb, seed=seed, device=device, threads=threads,
-                      init_from=init_from, relabel=not no_relabel)
+                      init_from=init_from, relabel=not no_relabel, features_root=features_root)
     out = run_training(cfg, log=lambda s: click.echo(s, err=True))
     click.echo(str(out))

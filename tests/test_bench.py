@@ -137,3 +137,25 @@ def test_auto_mode_runs_lossless_and_records_its_policy(tiny_pair, tmp_path):
     policy = data["block_policy"]
     assert len(policy["round_ms_by_drafts"]) == len(policy["acceptance_by_position"]) + 1 == 4  # tiny block 4
     assert (out / "bench.png").exists()
+
+
+@pytest.mark.skipif(not HAVE_GENAI, reason="openvino_genai not installed")
+def test_genai_modes_never_reuse_a_cached_prompt(monkeypatch, tiny_pair):
+    """Every genai pipeline gets a scheduler config with prefix caching off: with it on, a prompt
+    repeated across repetitions skips its prefill, which our modes never do."""
+    import openvino_genai as og
+
+    from ovdflash.bench import GenaiRunner
+
+    seen = []
+
+    class FakePipeline:
+        def __init__(self, *args, **kwargs):
+            seen.append(kwargs.get("scheduler_config"))
+
+    monkeypatch.setattr(og, "LLMPipeline", FakePipeline)
+    manifest = json.loads((tiny_pair / "manifest.json").read_text())
+    for kind in ("ar", "dflash", "pl"):
+        GenaiRunner(tiny_pair, manifest, {}, [0], kind, block_size=4)
+    assert len(seen) == 3
+    assert all(sc is not None and sc.enable_prefix_caching is False for sc in seen)

@@ -48,3 +48,49 @@ def test_eval_prompts_never_enter_training():
         assert all(r["domain"] == d and r["turns"] and isinstance(r["turns"][0], str) for r in train + ev)
         assert not {r["id"] for r in ev} & {r["id"] for r in train}
         assert not {r["turns"][0] for r in ev} & {r["turns"][0] for r in train}
+
+
+def test_torch_generator_matches_unbatched_greedy_and_resumes(tmp_path):
+    """The CUDA-machine backend on CPU: left-padded batches give each prompt exactly its own
+    unbatched greedy continuation; a second run finds everything done; sampled rows are stored too."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ovdflash_export.data import chat_prompt_ids, generate_dataset_torch
+    from ovdflash_export.tiny import make_tiny_target
+
+    target = make_tiny_target("llama", tmp_path / "target", vocab_size=512, num_hidden_layers=2)
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    words = ["add two numbers", "sort a list please", "hi", "what is seven times eight, exactly?"]
+    for d in ("code", "math", "chat"):
+        with open(prompts / f"train_{d}.jsonl", "w") as f:
+            for i, w in enumerate(words):
+                f.write(json.dumps({"id": f"{d}{i}", "domain": d, "turns": [f"{d}: {w}"]}) + "\n")
+    out = tmp_path / "data"
+    generate_dataset_torch(target, prompts, out, max_new_tokens=10, batch=5, sample_reps=1, device="cpu",
+                           log=lambda s: None)
+    seqs = load_sequences(out, min_response=1)
+    assert len(seqs) == 24 and {s.mode for s in seqs} == {"greedy", "sample"}
+    tok = AutoTokenizer.from_pretrained(str(target))
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    rows = {json.loads(l)["offset"]: json.loads(l) for l in open(out / "index.jsonl")}
+    for s in seqs:
+        if s.mode != "greedy":
+            continue
+        turn = next(json.loads(l)["turns"] for l in open(prompts / f"train_{s.domain}.jsonl")
+                    if json.loads(l)["id"] == s.prompt_id)
+        ids = chat_prompt_ids(tok, turn)
+        assert s.tokens[: s.prompt_len].tolist() == ids
+        with torch.no_grad():
+            want = model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=eos,
+                                  pad_token_id=eos)[0, len(ids):].tolist()
+        if eos in want:
+            want = want[: want.index(eos) + 1]
+        assert s.tokens[s.prompt_len:].tolist() == want, s.prompt_id
+        assert rows[s.offset]["finished"] == (want[-1] == eos)
+    n_before = (out / "tokens.bin").stat().st_size
+    generate_dataset_torch(target, prompts, out, max_new_tokens=10, batch=5, sample_reps=1, device="cpu",
+                           log=lambda s: None)
+    assert (out / "tokens.bin").stat().st_size == n_before

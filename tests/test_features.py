@@ -1,0 +1,111 @@
+"""Precomputed OpenVINO target features: equal to the torch target's, resumable, used by training."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ovdflash import STRICT_F32
+from ovdflash_export.data import ShardWriter, load_sequences
+from ovdflash_export.features import FEATS, INDEX, FeatureFile, precompute_features
+from ovdflash_export.train import FeatureStore, FrozenTarget, PrecomputedStore, TrainConfig, train
+
+
+def _write(data_dir, n, seed, vocab=512):
+    rng = np.random.default_rng(seed)
+    w = ShardWriter(data_dir)
+    for i in range(n):
+        prompt = rng.integers(3, vocab - 1, size=int(rng.integers(3, 8))).tolist()
+        resp = rng.integers(3, vocab - 1, size=int(rng.integers(10, 30))).tolist()
+        w.append(prompt + resp, len(prompt), ["code", "math", "chat"][i % 3], "greedy", f"s{seed}_{i}", 0, True)
+
+
+@pytest.fixture(scope="module")
+def pair_and_data(export_tiny_pair, tmp_path_factory):
+    model_dir = export_tiny_pair()
+    root = tmp_path_factory.mktemp("features")
+    _write(root / "data", 6, seed=0)
+    return model_dir, root
+
+
+def test_features_and_predictions_equal_the_torch_target(pair_and_data):
+    model_dir, root = pair_and_data
+    out = root / "feat_eq"
+    summary = precompute_features(model_dir, root / "data", out, max_len=20, config=STRICT_F32, log=lambda s: None)
+    assert summary["sequences"] == 6
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    torch_target = FrozenTarget(manifest["target"]["source"], manifest["target_layer_ids"], "cpu", predictions=True)
+    ff = FeatureFile(out)
+    for seq in load_sequences(root / "data"):
+        ids = torch.from_numpy(seq.tokens[:20])  # max_len truncation, as training truncates
+        feats, preds = ff.lookup(seq.offset, ids.numel())
+        want_f, want_p = torch_target.features(ids)
+        np.testing.assert_allclose(np.asarray(feats, dtype=np.float32), want_f.numpy(), atol=2e-2, rtol=1e-2)
+        first = seq.prompt_len - 1  # predictions are stored from the last prompt position on
+        assert np.array_equal(np.asarray(preds[first:], dtype=np.int64), want_p[first:].numpy())
+        assert not np.asarray(preds[:first]).any()
+        assert ff.lookup(seq.offset, ids.numel() + 1) is None  # a different truncation is not a hit
+
+
+def test_resume_appends_only_new_sequences_and_cuts_a_torn_tail(pair_and_data, tmp_path):
+    model_dir, root = pair_and_data
+    data = tmp_path / "data"
+    _write(data, 3, seed=1)
+    out = tmp_path / "feat"
+    assert precompute_features(model_dir, data, out, config=STRICT_F32, log=lambda s: None)["new_tokens"] > 0
+    first_rows = FeatureFile(out).rows
+    assert precompute_features(model_dir, data, out, config=STRICT_F32, log=lambda s: None)["new_tokens"] == 0
+    with open(out / FEATS, "ab") as f:  # a writer killed after its arrays, before its index row
+        f.write(b"\x01" * 1000)
+    _write(data, 2, seed=2)  # the data directory grew
+    summary = precompute_features(model_dir, data, out, config=STRICT_F32, log=lambda s: None)
+    ff = FeatureFile(out)
+    assert summary["sequences"] == 5 and len(ff.rows) == 5
+    assert all(ff.rows[k] == v for k, v in first_rows.items())
+    assert (out / FEATS).stat().st_size == ff.feats.shape[0] * ff.width * 2
+    rows = [json.loads(l) for l in open(out / INDEX)]
+    assert [r["row"] for r in rows] == sorted(r["row"] for r in rows)
+    with pytest.raises(ValueError, match="max_len"):
+        precompute_features(model_dir, data, out, max_len=32, config=STRICT_F32, log=lambda s: None)
+
+
+def test_precomputed_store_falls_back_for_unknown_sequences(pair_and_data, tmp_path):
+    model_dir, root = pair_and_data
+    out = tmp_path / "data"
+    precompute_features(model_dir, root / "data", out, config=STRICT_F32, log=lambda s: None)
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    target = FrozenTarget(manifest["target"]["source"], manifest["target_layer_ids"], "cpu", predictions=True)
+    _write(tmp_path / "other", 2, seed=5)
+    seqs = load_sequences(root / "data") + load_sequences(tmp_path / "other")
+    store = PrecomputedStore({str(root / "data"): str(out)}, FeatureStore(target, 1.0))
+    store.bind(seqs)
+    for i, s in enumerate(seqs):
+        f, p = store.get(i, torch.from_numpy(s.tokens))
+        assert f.dtype == torch.float32 and f.shape[0] == len(s.tokens) and p is not None
+    assert store.hits == 6
+    assert store.computed_tokens == sum(len(s.tokens) for s in seqs[6:])  # only the unknown ones ran torch
+
+
+def test_training_on_precomputed_features_matches_torch_features(pair_and_data, tmp_path):
+    """Same run twice: torch features vs OpenVINO ones (strict f32): the losses agree closely, and
+    the precomputed run never runs the torch target."""
+    model_dir, root = pair_and_data
+    precompute_features(model_dir, root / "data", tmp_path / "feats" / "data", max_len=64, config=STRICT_F32,
+                        log=lambda s: None)
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    logs = {}
+    for name, feats in (("torch", None), ("ov", str(tmp_path / "feats"))):
+        out = tmp_path / name
+        cfg = TrainConfig(target=manifest["target"]["source"], data_dirs=[str(root / "data")], out_dir=str(out),
+                          num_layers=1, block_size=4, target_layer_ids=manifest["target_layer_ids"],
+                          mask_token_id=511, anchors_per_seq=4, batch_seqs=2, max_len=64, lr=1e-3, warmup_steps=2,
+                          max_steps=6, val_every=1000, save_every_s=1e9, seed=0, num_negatives=8, device="cpu",
+                          val_fraction=0.0, features_root=feats)
+        lines = []
+        train(cfg, log=lines.append)
+        logs[name] = [json.loads(l) for l in open(out / "train_log.jsonl") if '"loss"' in l]
+    a = [r["loss"] for r in logs["torch"]]
+    b = [r["loss"] for r in logs["ov"]]
+    assert len(a) == len(b) == 6
+    np.testing.assert_allclose(a, b, rtol=2e-3)
+    assert logs["ov"][-1]["target_tokens"] == 0 and logs["torch"][-1]["target_tokens"] > 0
