@@ -18,6 +18,7 @@ Run: `python -m ovdflash_export.data --ov-model DIR --hf-model DIR --prompts mod
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -292,7 +293,8 @@ def generate_dataset_torch(hf_model_dir, prompts_dir, out_dir, *, max_new_tokens
     i = 0
     while i < len(work) and (deadline is None or time.time() < deadline):
         mode, rep = work[i][1], work[i][2]
-        group = [w for w in work[i:i + batch] if w[1:] == (mode, rep)]  # one generation config per batch
+        # one generation config per batch: the contiguous run of this (mode, rep), at most `batch`
+        group = list(itertools.takewhile(lambda w: w[1:] == (mode, rep), work[i:i + batch]))
         i += len(group)
         ids = [chat_prompt_ids(tok, p["turns"])[-max_prompt_tokens:] for p, _, _ in group]
         width = max(map(len, ids))

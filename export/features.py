@@ -48,7 +48,6 @@ class FeatureFile:
             raise FileNotFoundError(f"{self.dir} holds no precomputed features (no {META})")
         self.meta = json.loads(meta_path.read_text())
         self.width = int(self.meta["width"])
-        self.max_len = int(self.meta["max_len"])
         self.refresh()
 
     def refresh(self) -> None:
@@ -67,20 +66,15 @@ class FeatureFile:
 
 
 def _open_target(model_dir: Path, config: dict | None):
-    import openvino as ov
-
-    from ovdflash import graphs
-    from ovdflash.ov_models import TARGET_XML
+    """The runtime's compiled target (ov_models.compile_runners, runtime compile settings + config)."""
+    from ovdflash.ov_models import compile_runners
     from ovdflash.pipeline import default_compile_config, load_manifest
 
     manifest = load_manifest(model_dir)
     settings = default_compile_config(manifest)
     settings.update(config or {})
-    core = ov.Core()
-    model = core.read_model(model_dir / TARGET_XML)
-    graphs.target_for_runtime(model, manifest["target_layer_ids"])
-    compiled = core.compile_model(model, "CPU", settings)
-    return compiled, settings, manifest
+    target, _ = compile_runners(model_dir, manifest, "CPU", settings, with_drafter=False)
+    return target.compiled, settings, manifest
 
 
 def precompute_features(model_dir, data_dir, out_dir, max_len: int = 768, config: dict | None = None,

@@ -212,6 +212,17 @@ def feature_dirs_for(root, data_dirs) -> dict[str, str]:
     return out
 
 
+def precomputed_store(root, data_dirs, fallback: FeatureStore, seqs: list[Sequence]) -> PrecomputedStore:
+    """A PrecomputedStore over root's features for `data_dirs`, bound to `seqs`; an error when
+    root has features for none of them."""
+    found = feature_dirs_for(root, data_dirs)
+    if not found:
+        raise ValueError(f"--features {root}: no precomputed features for any of {list(data_dirs)}")
+    store = PrecomputedStore(found, fallback)
+    store.bind(seqs)
+    return store
+
+
 # ------------------------------------------------------------------ batch building
 def _sample_anchors(rng: np.random.Generator, prompt_len: int, length: int, n: int) -> np.ndarray:
     lo, hi = prompt_len, length - 2  # anchor = a committed response token with at least one label after it
@@ -564,14 +575,10 @@ def train(cfg: TrainConfig, log=print) -> Path:
     eval_seqs = [s for d in cfg.eval_dirs for s in load_sequences(d)]
     eval_store = FeatureStore(target, 0.5)
     if cfg.features_root:
-        found = feature_dirs_for(cfg.features_root, list(cfg.data_dirs) + list(cfg.eval_dirs))
-        if not found:
-            raise ValueError(f"--features {cfg.features_root}: no precomputed features for any data directory")
-        log(f"precomputed features for {sorted(found)}")
-        store = PrecomputedStore(found, store)
-        store.bind(seqs)
-        eval_store = PrecomputedStore(found, eval_store)
-        eval_store.bind(eval_seqs)
+        dirs = list(cfg.data_dirs) + list(cfg.eval_dirs)
+        store = precomputed_store(cfg.features_root, dirs, store, seqs)
+        eval_store = precomputed_store(cfg.features_root, dirs, eval_store, eval_seqs)
+        log(f"precomputed features for {sorted(store.files)} (in {cfg.features_root})")
 
     if resume is not None:
         vocab_ids = resume["vocab_ids"]
@@ -739,11 +746,7 @@ def evaluate_checkpoint(drafter_dir, target_dir, data_dirs, n_anchors: int = 10_
     weights = slot_weights(c.block_size, cfg.gamma, device)
     store = FeatureStore(target, 2.0)
     if features_root:
-        found = feature_dirs_for(features_root, data_dirs)
-        if not found:
-            raise ValueError(f"--features {features_root}: no precomputed features for {list(data_dirs)}")
-        store = PrecomputedStore(found, store)
-        store.bind(seqs)
+        store = precomputed_store(features_root, data_dirs, store, seqs)
     res = evaluate(drafter, seqs, list(range(len(seqs))), store, target, cfg, None, None, None,
                    weights, device, n_anchors=n_anchors)
     out = {k.replace("val_", "eval_"): v for k, v in res.items()} | {"sequences": len(seqs)}

@@ -129,13 +129,12 @@ class GenaiRunner:
         sc.cache_size = 1
         if kind == "ar":
             self.pipe = og.LLMPipeline(target_dir, "CPU", scheduler_config=sc, **props)
+        elif kind == "dflash":
+            drafter_dir = str(model_dir / manifest.get("drafter", {}).get("path", "drafter"))
+            self.pipe = og.LLMPipeline(target_dir, "CPU", draft_model=og.draft_model(drafter_dir, "CPU", **props),
+                                       scheduler_config=sc, **props)
         else:
-            if kind == "dflash":
-                drafter_dir = str(model_dir / manifest.get("drafter", {}).get("path", "drafter"))
-                self.pipe = og.LLMPipeline(target_dir, "CPU", draft_model=og.draft_model(drafter_dir, "CPU", **props),
-                                           scheduler_config=sc, **props)
-            else:
-                self.pipe = og.LLMPipeline(target_dir, "CPU", prompt_lookup=True, scheduler_config=sc, **props)
+            self.pipe = og.LLMPipeline(target_dir, "CPU", prompt_lookup=True, scheduler_config=sc, **props)
         self.block_size = block_size
 
     def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float, dict]:
