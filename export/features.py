@@ -9,14 +9,20 @@ Contract:
     * `feats.f16`  [rows, F] float16: the concatenated target-layer features of every position;
     * `preds.u16`  [rows] uint16: the target's greedy next token after position q (0 before the
       last prompt position, where no label needs it);
-    * `index.jsonl`: one row per sequence `{"offset", "row", "len"}`, `offset` being the
-      sequence's offset in the data directory's tokens.bin, `row` its first row in the arrays;
-    * `meta.json`: model directory, compile settings, max_len, F.
+    * with `topk=K > 0`, also `topk_ids.u16` / `topk_logp.f16` [rows, K]: the target's K most
+      likely next tokens after position q and their log-probabilities over the full vocabulary
+      (the soft labels of distillation, `train --kd-weight`); zeros where preds are 0;
+    * `index.jsonl`: one row per sequence `{"offset", "row", "len", "topk"}`, `offset` being the
+      sequence's offset in the data directory's tokens.bin, `row` its first row in the arrays,
+      `topk` whether its top-k rows were written (a directory made without top-k and resumed
+      with it keeps zero rows, flagged false, for the sequences computed before);
+    * `meta.json`: model directory, compile settings, max_len, F, K.
   Resumable: rows are appended after their arrays; on start the arrays are cut to the last
   indexed row and sequences already present are skipped. Data directories only ever grow, so
-  re-running picks up new sequences.
+  re-running picks up new sequences. K is fixed once set (0 -> K pads, K -> another K is an error).
 - `FeatureFile(out_dir)` reads it back (memory-mapped): `lookup(offset, length) -> (feats f16
-  [length, F], preds [length]) | None`. Training (`train.PrecomputedStore`) uses it instead of
+  [length, F], preds [length]) | None`; `lookup_topk(offset, length) -> (ids [length, K], logp
+  [length, K]) | None`. Training (`train.PrecomputedStore`) uses it instead of
   running the frozen torch target every step.
 
 Why: on 2 CPU cores the torch target forward was the slowest part of a training step, and it is
@@ -26,6 +32,7 @@ Run: `python -m ovdflash_export.features --model MODEL_DIR --data models/smollm2
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -36,6 +43,7 @@ import numpy as np
 from .data import read_index
 
 FEATS, PREDS, INDEX, META = "feats.f16", "preds.u16", "index.jsonl", "meta.json"
+TOPK_IDS, TOPK_LOGP = "topk_ids.u16", "topk_logp.f16"
 
 
 class FeatureFile:
@@ -48,14 +56,19 @@ class FeatureFile:
             raise FileNotFoundError(f"{self.dir} holds no precomputed features (no {META})")
         self.meta = json.loads(meta_path.read_text())
         self.width = int(self.meta["width"])
+        self.topk = int(self.meta.get("topk", 0))
         self.refresh()
 
     def refresh(self) -> None:
         rows = read_index(self.dir)
         self.rows = {r["offset"]: (r["row"], r["len"]) for r in rows}
+        self.with_topk = {r["offset"] for r in rows if r.get("topk")}
         n = max((r["row"] + r["len"] for r in rows), default=0)
         self.feats = np.memmap(self.dir / FEATS, dtype=np.float16, mode="r", shape=(n, self.width)) if n else None
         self.preds = np.memmap(self.dir / PREDS, dtype=np.uint16, mode="r", shape=(n,)) if n else None
+        k = self.topk if n else 0
+        self.topk_ids = np.memmap(self.dir / TOPK_IDS, dtype=np.uint16, mode="r", shape=(n, k)) if k else None
+        self.topk_logp = np.memmap(self.dir / TOPK_LOGP, dtype=np.float16, mode="r", shape=(n, k)) if k else None
 
     def lookup(self, offset: int, length: int):
         hit = self.rows.get(offset)
@@ -63,6 +76,25 @@ class FeatureFile:
             return None
         row, n = hit
         return self.feats[row:row + n], self.preds[row:row + n]
+
+    def lookup_topk(self, offset: int, length: int):
+        hit = self.rows.get(offset)
+        if hit is None or hit[1] != length or offset not in self.with_topk:
+            return None
+        row, n = hit
+        return self.topk_ids[row:row + n], self.topk_logp[row:row + n]
+
+
+def top_k_log_probs(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """logits [n, V] -> (ids [n, k] uint16, log-probabilities over all V [n, k] float16), most
+    likely first."""
+    ids = np.argpartition(-logits, k - 1, axis=-1)[:, :k]
+    top = np.take_along_axis(logits, ids, -1)
+    order = np.argsort(-top, axis=-1, kind="stable")
+    ids, top = np.take_along_axis(ids, order, -1), np.take_along_axis(top, order, -1)
+    m = logits.max(-1, keepdims=True)
+    lse = m + np.log(np.exp(logits - m).sum(-1, keepdims=True))
+    return ids.astype(np.uint16), (top - lse).astype(np.float16)
 
 
 def _open_target(model_dir: Path, config: dict | None):
@@ -78,7 +110,7 @@ def _open_target(model_dir: Path, config: dict | None):
 
 
 def precompute_features(model_dir, data_dir, out_dir, max_len: int = 768, config: dict | None = None,
-                        deadline: float | None = None, log=print) -> dict:
+                        deadline: float | None = None, log=print, topk: int = 0) -> dict:
     """Append features and greedy predictions of every not-yet-stored sequence of `data_dir`."""
     model_dir, data_dir, out_dir = Path(model_dir), Path(data_dir), Path(out_dir)
     rows = read_index(data_dir)
@@ -89,20 +121,25 @@ def precompute_features(model_dir, data_dir, out_dir, max_len: int = 768, config
     out_dir.mkdir(parents=True, exist_ok=True)
     meta_path = out_dir / META
     meta = {"model_dir": str(model_dir), "data_dir": str(data_dir), "max_len": max_len, "width": width,
-            "target_layer_ids": manifest["target_layer_ids"], "compile": {k: str(v) for k, v in settings.items()}}
+            "target_layer_ids": manifest["target_layer_ids"], "compile": {k: str(v) for k, v in settings.items()},
+            "topk": topk}
     if meta_path.is_file():
         old = json.loads(meta_path.read_text())
         for key in ("max_len", "width", "target_layer_ids"):
             if old[key] != meta[key]:
                 raise ValueError(f"{out_dir}: stored {key} {old[key]} differs from this run's {meta[key]}")
+        if old.get("topk", 0) and old["topk"] != topk:
+            raise ValueError(f"{out_dir}: stored topk {old['topk']} differs from this run's {topk}")
     meta_path.write_text(json.dumps(meta, indent=1))
 
     done = read_index(out_dir)
     end = max((r["row"] + r["len"] for r in done), default=0)
-    with open(out_dir / FEATS, "ab") as f:  # drop arrays of a sequence whose index row never got written
-        f.truncate(end * width * 2)
-    with open(out_dir / PREDS, "ab") as f:
-        f.truncate(end * 2)
+    # drop arrays of a sequence whose index row never got written; a directory gaining top-k
+    # gets zero rows (flagged false in its index) for the sequences computed before
+    arrays = [(FEATS, width * 2), (PREDS, 2)] + ([(TOPK_IDS, topk * 2), (TOPK_LOGP, topk * 2)] if topk else [])
+    for name, row_bytes in arrays:
+        with open(out_dir / name, "ab") as f:
+            f.truncate(end * row_bytes)
     with open(out_dir / INDEX, "w") as f:
         for r in done:
             f.write(json.dumps(r) + "\n")
@@ -115,7 +152,9 @@ def precompute_features(model_dir, data_dir, out_dir, max_len: int = 768, config
     todo = [r for r in rows if r["offset"] not in have and r["offset"] + r["total_len"] <= tokens.size]
     log(f"{len(todo)} sequences to run ({len(have)} already stored) from {data_dir}")
     t0, n_tok = time.time(), 0
-    with open(out_dir / FEATS, "ab") as ff, open(out_dir / PREDS, "ab") as fp, open(out_dir / INDEX, "a") as fi:
+    with contextlib.ExitStack() as opened:
+        files = {name: opened.enter_context(open(out_dir / name, "ab")) for name, _ in arrays}
+        fi = opened.enter_context(open(out_dir / INDEX, "a"))
         for k, r in enumerate(todo):
             if deadline is not None and time.time() > deadline:
                 break
@@ -126,13 +165,19 @@ def precompute_features(model_dir, data_dir, out_dir, max_len: int = 768, config
             request.infer({"input_ids": ids[None], "attention_mask": np.ones((1, L), dtype=np.int64),
                            "position_ids": np.arange(L, dtype=np.int64)[None], "beam_idx": beam,
                            "logits_indices": np.arange(first, L, dtype=np.int64)})
+            logits = request.get_tensor(logits_out).data[0]
             preds = np.zeros(L, dtype=np.uint16)
-            preds[first:] = request.get_tensor(logits_out).data[0].argmax(-1)
-            ff.write(request.get_tensor(hidden_out).data[0].astype(np.float16).tobytes())
-            fp.write(preds.tobytes())
-            ff.flush(), fp.flush()
-            os.fsync(ff.fileno()), os.fsync(fp.fileno())
-            fi.write(json.dumps({"offset": r["offset"], "row": end, "len": int(L)}) + "\n")
+            preds[first:] = logits.argmax(-1)
+            out = {FEATS: request.get_tensor(hidden_out).data[0].astype(np.float16), PREDS: preds}
+            if topk:
+                out[TOPK_IDS] = np.zeros((L, topk), dtype=np.uint16)
+                out[TOPK_LOGP] = np.zeros((L, topk), dtype=np.float16)
+                out[TOPK_IDS][first:], out[TOPK_LOGP][first:] = top_k_log_probs(logits, topk)
+            for name, f in files.items():
+                f.write(out[name].tobytes())
+                f.flush()
+                os.fsync(f.fileno())
+            fi.write(json.dumps({"offset": r["offset"], "row": end, "len": int(L), "topk": bool(topk)}) + "\n")
             fi.flush()
             end += L
             n_tok += L
@@ -152,9 +197,11 @@ if __name__ == "__main__":
     ap.add_argument("--out", required=True, help="root: one sub-directory per data directory's name")
     ap.add_argument("--max-len", type=int, default=768)
     ap.add_argument("--minutes", type=float, default=None)
+    ap.add_argument("--topk", type=int, default=0,
+                    help="also store the K most likely next tokens and their log-probabilities (soft labels)")
     a = ap.parse_args()
     stop = time.time() + a.minutes * 60 if a.minutes else None
     for d in a.data:
         sub = Path(a.out) / Path(d).resolve().name
         print(json.dumps(precompute_features(a.model, d, sub, a.max_len, deadline=stop,
-                                             log=lambda s: print(s, flush=True))), flush=True)
+                                             log=lambda s: print(s, flush=True), topk=a.topk)), flush=True)

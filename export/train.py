@@ -12,6 +12,11 @@ Contract:
 - Objective (dflash.md §5): per sequence, random anchors p in the response; block
   `[x_p, MASK*(B-1)]` at positions p..p+B-1; a block sees context features j < p and its own
   block (bidirectional); slot k labels x_{p+k}; CE weighted by exp(-(k-1)/gamma) / sum.
+- Distillation (`kd_weight` > 0, precomputed features with top-k): the loss becomes
+  (1 - kd_weight) * that CE + kd_weight * the same slot-weighted cross-entropy against the
+  target's own next-token distribution (its stored top-k, renormalised over the ids scored), on
+  every slot that has a greedy-chain label (there the stored context is the chain's, so the
+  target's distribution at that position is the one verification samples from).
 - Two deviations that keep the saved checkpoint standard (drafter_feasibility.md §2):
   * the CE softmax runs over the token ids that occur in the training data plus
     `num_negatives` random other ids per step (keeps the rest of the vocabulary pushed down, so
@@ -91,6 +96,8 @@ class TrainConfig:
     # precomputed OpenVINO target features (ovdflash_export.features): root with one sub-directory
     # per data directory's name; sequences found there never run the torch target
     features_root: str | None = None
+    # weight of the soft-label term (target top-k distributions, needs features with --topk); 0: off
+    kd_weight: float = 0.0
     init_from: str | None = None     # warm start: a z-lab checkpoint directory (weights only, new optimizer)
     device: str = "auto"
     threads: int | None = None
@@ -190,16 +197,28 @@ class PrecomputedStore:
         for f in self.files.values():
             f.refresh()
 
-    def get(self, idx: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _file_for(self, idx: int):
         s = self.seqs[idx] if idx < len(self.seqs) else None
         f = self.files.get(Path(s.data_dir).name) if s is not None and s.data_dir else None
-        hit = None if f is None else f.lookup(s.offset, ids.numel())
+        return (None, None) if f is None else (f, s.offset)
+
+    def get(self, idx: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        f, offset = self._file_for(idx)
+        hit = None if f is None else f.lookup(offset, ids.numel())
         if hit is None:
             return self.fallback.get(idx, ids)
         self.hits += 1
         feats, preds = hit
         pred = torch.from_numpy(preds.astype(np.int32)) if self.fallback.target.predictions else None
         return torch.from_numpy(np.asarray(feats, dtype=np.float32)), pred
+
+    def soft(self, idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The target's stored top-k (ids int64 [length, K], log-probs f32 [length, K]) or None."""
+        f, offset = self._file_for(idx)
+        hit = None if f is None else f.lookup_topk(offset, length)
+        if hit is None:
+            return None
+        return torch.from_numpy(hit[0].astype(np.int64)), torch.from_numpy(np.asarray(hit[1], dtype=np.float32))
 
 
 def feature_dirs_for(root, data_dirs) -> dict[str, str]:
@@ -255,11 +274,14 @@ def chain_labels(tokens: torch.Tensor, pred: torch.Tensor, anchors: torch.Tensor
 
 
 def build_batch(seqs: list[Sequence], idxs, store: FeatureStore, embed, rng: np.random.Generator, *,
-                block_size: int, n_anchors: int, max_len: int, mask_token_id: int, feat_scale, device):
+                block_size: int, n_anchors: int, max_len: int, mask_token_id: int, feat_scale, device,
+                soft: bool = False):
     """Tensors for one drafter forward over len(idxs) sequences with up to n_anchors blocks each.
-    Labels are the stored tokens, or the target's greedy chain when the store has predictions."""
+    Labels are the stored tokens, or the target's greedy chain when the store has predictions.
+    With `soft`, also the target's top-k at each labelled slot (`soft_ids` [b,N,B-1,K], -100 where
+    none, and `soft_logp`), from a store that has them (PrecomputedStore.soft)."""
     B = block_size
-    toks, feats, preds, anchors = [], [], [], []
+    toks, feats, preds, anchors, softs = [], [], [], [], []
     for i in idxs:
         s = seqs[i]
         t = torch.from_numpy(s.tokens[:max_len])
@@ -267,6 +289,7 @@ def build_batch(seqs: list[Sequence], idxs, store: FeatureStore, embed, rng: np.
         f, p = store.get(i, t)
         feats.append(f)
         preds.append(p)
+        softs.append(store.soft(i, t.numel()) if soft and hasattr(store, "soft") else None)
         anchors.append(_sample_anchors(rng, s.prompt_len, t.numel(), n_anchors))
     b = len(idxs)
     S = max(t.numel() for t in toks)
@@ -294,7 +317,19 @@ def build_batch(seqs: list[Sequence], idxs, store: FeatureStore, embed, rng: np.
             pos = a_t + k
             ok = pos < L
             labels[j, :n, k - 1] = torch.where(ok, t[pos.clamp(max=L - 1)], torch.full_like(pos, -100))
-    # positions: context 0..S-1, then each block p..p+B-1
+    soft_ids = soft_logp = None
+    K = next((sf[0].shape[1] for sf in softs if sf is not None), 0)
+    if K:
+        soft_ids = torch.full((b, N, B - 1, K), -100, dtype=torch.long)
+        soft_logp = torch.zeros(b, N, B - 1, K)
+        for j, (t, a, sf) in enumerate(zip(toks, anchors, softs)):
+            if sf is None or a.size == 0:
+                continue
+            # slot k's label is the target's pick after position p+k-1: so is its distribution
+            pos = (torch.from_numpy(a)[:, None] + torch.arange(B - 1)[None, :]).clamp(max=t.numel() - 1)
+            ok = (labels[j, :a.size] >= 0)[..., None]
+            soft_ids[j, :a.size] = torch.where(ok, sf[0][pos], torch.full_like(sf[0][pos], -100))
+            soft_logp[j, :a.size] = sf[1][pos]    # positions: context 0..S-1, then each block p..p+B-1
     ctx_pos = torch.arange(S).expand(b, S)
     blk_pos = (anchor_pos[:, :, None] + torch.arange(B)).reshape(b, N * B)
     position_ids = torch.cat([ctx_pos, blk_pos], dim=1)
@@ -311,7 +346,9 @@ def build_batch(seqs: list[Sequence], idxs, store: FeatureStore, embed, rng: np.
     if feat_scale is not None:
         th = th * feat_scale
     return dict(block_embeds=block_embeds, target_hidden=th, position_ids=position_ids.to(device),
-                mask=mask.to(device), labels=labels.to(device), B=B, N=N)
+                mask=mask.to(device), labels=labels.to(device), B=B, N=N,
+                soft_ids=None if soft_ids is None else soft_ids.to(device),
+                soft_logp=None if soft_logp is None else soft_logp.to(device))
 
 
 # ------------------------------------------------------------------ loss
@@ -345,6 +382,22 @@ def weighted_ce(h, labels, head_weight, weights, vocab_ids=None, remap=None):
     valid = (tgt >= 0).float()
     w = weights.view(1, 1, -1) * valid
     return (ce * w).sum() / w.sum().clamp(min=1e-8), logits
+
+
+def soft_ce(logits, soft_ids, soft_logp, weights, remap=None):
+    """Slot-weighted cross-entropy of the drafter's distribution (logits [b,N,B-1,V] over the
+    scored ids) against the target's top-k (full-vocab ids [b,N,B-1,K], -100 = none), renormalised
+    over the top-k ids that are scored. Returns (loss, number of slots that had a distribution)."""
+    idx = soft_ids if remap is None else torch.where(soft_ids >= 0, remap[soft_ids.clamp(min=0)], soft_ids)
+    kept = idx >= 0
+    q = torch.where(kept, soft_logp.exp(), torch.zeros_like(soft_logp))
+    mass = q.sum(-1, keepdim=True)
+    q = q / mass.clamp(min=1e-12)
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, idx.clamp(min=0))
+    ce = -(q * logp).sum(-1)                                   # [b,N,B-1]
+    has = (mass[..., 0] > 0).float()
+    w = weights.view(1, 1, -1) * has
+    return (ce * w).sum() / w.sum().clamp(min=1e-8), int(has.sum().item())
 
 
 # ------------------------------------------------------------------ helpers
@@ -678,7 +731,7 @@ def train(cfg: TrainConfig, log=print) -> Path:
         idxs = pick_batch(rng, train_idx, step, cfg.batch_seqs, cfg.new_per_step)
         batch = build_batch(seqs, idxs, store, target.embed, rng, block_size=cfg.block_size,
                             n_anchors=cfg.anchors_per_seq, max_len=cfg.max_len, mask_token_id=cfg.mask_token_id,
-                            feat_scale=feat_scale, device=device)
+                            feat_scale=feat_scale, device=device, soft=cfg.kd_weight > 0)
         ids = vocab_ids
         step_remap = remap
         if vocab_ids is not None and cfg.num_negatives and outside_ids.numel():
@@ -687,6 +740,11 @@ def train(cfg: TrainConfig, log=print) -> Path:
             ids = torch.cat([vocab_ids, neg])
         h = blocks_forward(drafter, batch)
         loss, logits = weighted_ce(h, batch["labels"], target.lm_head_weight, weights, ids, step_remap)
+        hard_loss, kd_slots = loss, 0
+        if batch["soft_ids"] is not None:
+            kd_loss, kd_slots = soft_ce(logits, batch["soft_ids"], batch["soft_logp"], weights, step_remap)
+            if kd_slots:
+                loss = (1 - cfg.kd_weight) * hard_loss + cfg.kd_weight * kd_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
@@ -700,6 +758,7 @@ def train(cfg: TrainConfig, log=print) -> Path:
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         acc_ema = acc.cpu().numpy() if acc_ema is None else 0.95 * acc_ema + 0.05 * acc.cpu().numpy()
         rec = {"step": step, "loss": round(loss.item(), 5), "loss_ema": round(ema, 4), "lr": lr,
+               **({"hard_loss": round(hard_loss.item(), 5), "kd_slots": kd_slots} if cfg.kd_weight > 0 else {}),
                "grad_norm": round(float(gnorm), 3), "acc": [round(float(a), 3) for a in acc_ema],
                "min": round((elapsed_before + time.time() - t_start) / 60, 2),
                "target_tokens": store.computed_tokens}

@@ -24,8 +24,12 @@ Contract:
   that leaves AR still preferred doubles the wait (up to `max_explore_every`): a probe costs
   about 2-3 AR steps (a drafter catch-up over the skipped context, a verify of a new shape),
   so a drafter that stays bad is probed ever more rarely; choosing to draft resets the wait.
-- `measure_costs(target, drafter, prompt_ids, max_drafts)` measures the two cost curves with
-  real rounds of the engine (so the costs include accept, commit and the Python around them).
+- `measure_costs(target, drafter, prompt_ids, max_drafts, measured_drafts=None)` measures the two
+  cost curves with real rounds of the engine (so the costs include accept, commit and the Python
+  around them) for k = 0..measured_drafts and extends them linearly to max_drafts: every input
+  shape a compiled model has run keeps CPU-plugin memory (SmolLM2 int8: calibrating k = 0..7 cost
+  ~60 MB more than 0..2), and a verify costs about the same per extra token; a longer block is
+  then first run only when the policy picks it, and `observe_round` corrects its estimate.
 Any policy only changes how many tokens are verified, never which are kept: output stays
 identical to autoregressive decoding (greedy) or distributed as it (sampling).
 Pure python/numpy: no OpenVINO here.
@@ -125,9 +129,10 @@ def nondecreasing(values: Sequence[float]) -> list[float]:
 
 
 def measure_costs(target, drafter, prompt_ids: Sequence[int], max_drafts: int,
-                  repetitions: int = 3) -> tuple[list[float], list[float]]:
+                  repetitions: int = 3, measured_drafts: int | None = None) -> tuple[list[float], list[float]]:
     """(step_cost_s, draft_cost_s) for k = 0..max_drafts: medians over `repetitions` of greedy
-    engine rounds with k drafts (k = 0: an AR step), each curve made nondecreasing in k.
+    engine rounds with k drafts (k = 0: an AR step), each curve made nondecreasing in k; only
+    k <= measured_drafts (None: all) are run, the rest continue the measured slope (extend_linearly).
     The k are interleaved in a rotating order, so machine noise hits every k alike, and each
     timed pass follows an untimed pass of the same k: a change of input shape costs the next
     call extra, and in steady use the same k repeats (a run of AR steps above all), so timing
@@ -143,8 +148,9 @@ def measure_costs(target, drafter, prompt_ids: Sequence[int], max_drafts: int,
     logits, feats = target.forward(prompt, all_logits=False)
     target.commit(len(prompt))
     last, ctx_feats = sample_token(logits[-1], params, rng), np.array(feats)
-    steps, drafts = [[] for _ in range(max_drafts + 1)], [[] for _ in range(max_drafts + 1)]
-    ks = list(range(max_drafts + 1))
+    measured = max_drafts if measured_drafts is None else max(1, min(measured_drafts, max_drafts))
+    steps, drafts = [[] for _ in range(measured + 1)], [[] for _ in range(measured + 1)]
+    ks = list(range(measured + 1))
     for rep in range(repetitions):
         for k in ks[rep % len(ks):] + ks[: rep % len(ks)]:
             if target.committed + 2 * (k + 1) >= target.max_length:
@@ -164,5 +170,14 @@ def measure_costs(target, drafter, prompt_ids: Sequence[int], max_drafts: int,
     drafter.reset()
     if not all(steps):
         raise ValueError("the calibration prompt leaves no room in the context for one pass")
-    return (nondecreasing([statistics.median(s) for s in steps]),
-            [0.0] + nondecreasing([statistics.median(d) for d in drafts[1:]]))
+    step = nondecreasing([statistics.median(s) for s in steps])
+    draft = [0.0] + nondecreasing([statistics.median(d) for d in drafts[1:]])
+    return extend_linearly(step, max_drafts), extend_linearly(draft, max_drafts)
+
+
+def extend_linearly(curve: list[float], max_drafts: int) -> list[float]:
+    """`curve` (k = 0..m) continued to k = max_drafts with its mean slope over k = 1..m (0 if
+    m < 2: k = 0 is no draft at all, so from one drafted point there is no slope to trust)."""
+    m = len(curve) - 1
+    step = (curve[m] - curve[1]) / (m - 1) if m >= 2 else 0.0
+    return curve + [curve[-1] + step * j for j in range(1, max_drafts + 2 - len(curve))]

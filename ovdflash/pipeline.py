@@ -43,6 +43,9 @@ from .tokenizer import IncrementalDetokenizer, Tokenizer
 FORMAT = "ovdflash/1"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "ovdflash" / "ov_cache"
 CALIBRATION_PROMPT = "Explain in a few sentences how a CPU cache speeds up a program."
+# drafts per round that "auto" times on first use; longer blocks extend the cost curve linearly
+# (block_policy.measure_costs: each shape run costs resident memory)
+CALIBRATED_DRAFTS = 3
 
 
 @dataclass
@@ -147,14 +150,16 @@ class DFlashPipeline:
         return self._recorded(events, call_stats, stats)
 
     def auto_block_policy(self) -> BlockPolicy:
-        """The policy behind block_size="auto": on first use, measures the verify cost of 1..B
-        tokens and the draft cost on the real models (B = the trained block size)."""
+        """The policy behind block_size="auto": on first use, measures the verify cost of
+        1..CALIBRATED_DRAFTS + 1 tokens and the draft cost on the real models, extended linearly
+        to the trained block size."""
         if self.block_policy is None:
             if self.drafter is None:
                 raise ValueError("block_size='auto' needs a drafter")
             prompt = (self.encode_prompt([{"role": "user", "content": CALIBRATION_PROMPT}]) if self.tokenizer
                       else list(range(1, 33)))
-            step_cost_s, draft_cost_s = measure_costs(self.target, self.drafter, prompt, self.block_size - 1)
+            step_cost_s, draft_cost_s = measure_costs(self.target, self.drafter, prompt, self.block_size - 1,
+                                                      measured_drafts=CALIBRATED_DRAFTS)
             self.block_policy = BlockPolicy(step_cost_s, draft_cost_s)
         return self.block_policy
 

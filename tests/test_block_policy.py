@@ -194,9 +194,29 @@ def test_block_policy_on_mocks_adapts_and_stays_lossless(error_rate, mostly):
 class SlowMockTarget(MockTarget):
     """Each forward sleeps 1 ms per token on top of 2 ms: a known verify cost curve."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lengths = []
+
     def forward(self, token_ids, all_logits):
+        self.lengths.append(len(token_ids))
         time.sleep(0.002 + 0.001 * len(token_ids))
         return super().forward(token_ids, all_logits)
+
+
+def test_measure_costs_runs_only_the_measured_shapes_and_extends_the_slope():
+    target = SlowMockTarget(vocab_size=32, seed=13)
+    drafter = MockDrafter(target, block_size=8, error_rate=0.5)
+    prompt = [1, 2, 3, 4, 5, 6]
+    step, draft = measure_costs(target, drafter, prompt, max_drafts=7, repetitions=3, measured_drafts=2)
+    assert len(step) == len(draft) == 8 and draft[0] == 0.0
+    assert max(target.lengths[1:]) <= 3  # after the prompt: at most 2 drafts + the last token per verify
+    slope = step[2] - step[1]
+    assert step[7] == pytest.approx(step[2] + 5 * slope) and step[4] == pytest.approx(step[2] + 2 * slope)
+    assert draft[7] == pytest.approx(draft[2] + 5 * (draft[2] - draft[1]))
+    # one drafted point has no slope: flat
+    step1, draft1 = measure_costs(target, drafter, prompt, max_drafts=4, repetitions=1, measured_drafts=1)
+    assert step1[2:] == [step1[1]] * 3 and draft1[2:] == [draft1[1]] * 3
 
 
 def test_measure_costs_recovers_the_cost_curve_and_leaves_runners_reusable():

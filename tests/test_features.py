@@ -109,3 +109,58 @@ def test_training_on_precomputed_features_matches_torch_features(pair_and_data, 
     assert len(a) == len(b) == 6
     np.testing.assert_allclose(a, b, rtol=2e-3)
     assert logs["ov"][-1]["target_tokens"] == 0 and logs["torch"][-1]["target_tokens"] > 0
+
+
+def test_top_k_log_probs_are_the_targets_most_likely_tokens(pair_and_data, tmp_path):
+    """A directory made without top-k and resumed with it: the old sequences are flagged as having
+    none, the new ones carry the torch target's K most likely next tokens and log-probabilities."""
+    model_dir, root = pair_and_data
+    data = tmp_path / "data"
+    _write(data, 2, seed=3)
+    out = tmp_path / "feat"
+    precompute_features(model_dir, data, out, config=STRICT_F32, log=lambda s: None)
+    _write(data, 2, seed=4)
+    precompute_features(model_dir, data, out, config=STRICT_F32, log=lambda s: None, topk=8)
+    with pytest.raises(ValueError, match="topk"):
+        precompute_features(model_dir, data, out, config=STRICT_F32, log=lambda s: None, topk=4)
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    target = FrozenTarget(manifest["target"]["source"], manifest["target_layer_ids"], "cpu", predictions=True)
+    ff = FeatureFile(out)
+    seqs = load_sequences(data)
+    assert [ff.lookup_topk(s.offset, len(s.tokens)) is None for s in seqs] == [True, True, False, False]
+    for s in seqs[2:]:
+        ids, logp = ff.lookup_topk(s.offset, len(s.tokens))
+        with torch.no_grad():
+            final = target.base(input_ids=torch.from_numpy(s.tokens)[None], use_cache=False).last_hidden_state[0]
+            want = torch.log_softmax(final @ target.lm_head_weight.T, -1)
+        first = s.prompt_len - 1
+        top = torch.topk(want[first:], 8)
+        assert np.array_equal(np.asarray(ids[first:], dtype=np.int64)[:, 0], top.indices[:, 0].numpy())
+        np.testing.assert_allclose(np.asarray(logp[first:], dtype=np.float32), top.values.numpy(), atol=2e-2)
+        got = np.take_along_axis(want[first:].numpy(), np.asarray(ids[first:], dtype=np.int64), -1)
+        np.testing.assert_allclose(got, top.values.numpy(), atol=1e-3)  # the same set (ties aside)
+        assert not np.asarray(ids[:first]).any() and not np.asarray(logp[:first]).any()
+
+
+def test_distillation_on_top1_equals_the_greedy_loss(pair_and_data, tmp_path):
+    """With K = 1 the target's distribution is one-hot on its greedy pick, which is the label: the
+    distillation term must equal the hard CE, step for step; with K = 8 it must differ."""
+    model_dir, root = pair_and_data
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    logs = {}
+    for k in (1, 8):
+        precompute_features(model_dir, root / "data", tmp_path / f"f{k}" / "data", max_len=64, config=STRICT_F32,
+                            log=lambda s: None, topk=k)
+        out = tmp_path / f"kd{k}"
+        cfg = TrainConfig(target=manifest["target"]["source"], data_dirs=[str(root / "data")], out_dir=str(out),
+                          num_layers=1, block_size=4, target_layer_ids=manifest["target_layer_ids"],
+                          mask_token_id=511, anchors_per_seq=4, batch_seqs=2, max_len=64, lr=1e-3, warmup_steps=2,
+                          max_steps=4, val_every=1000, save_every_s=1e9, seed=0, num_negatives=8, device="cpu",
+                          val_fraction=0.0, features_root=str(tmp_path / f"f{k}"), kd_weight=1.0)
+        train(cfg, log=lambda s: None)
+        logs[k] = [json.loads(l) for l in open(out / "train_log.jsonl") if '"loss"' in l]
+    # (a step whose labels all fall outside the scored ids has neither loss)
+    used = [r for r in logs[1] if r["kd_slots"]]
+    assert len(used) >= 3 and all(r["kd_slots"] for r in logs[8] if r["hard_loss"])
+    np.testing.assert_allclose([r["loss"] for r in logs[1]], [r["hard_loss"] for r in logs[1]], rtol=1e-4)
+    assert max(abs(r["loss"] - r["hard_loss"]) for r in logs[8]) > 1e-3

@@ -8,7 +8,7 @@ import torch
 from ovdflash_export.data import ShardWriter, load_sequences
 from ovdflash_export.drafter import DFlashDrafter
 from ovdflash_export.tiny import make_tiny_target
-from ovdflash_export.train import STATE_NAME, FrozenTarget, TrainConfig, chain_labels, train
+from ovdflash_export.train import STATE_NAME, FrozenTarget, TrainConfig, chain_labels, slot_weights, soft_ce, train
 
 VOCAB = 512
 
@@ -207,3 +207,28 @@ def test_interleave_sources_deals_round_robin():
     assert [source[i] for i in got[:9]] == [0, 1, 2] * 3            # equal rates while all last
     assert [source[i] for i in got[9:13]] == [0, 2, 0, 2]
     assert got == interleave_sources(idxs, source, seed=0) != interleave_sources(idxs, source, seed=1)
+
+
+def test_soft_ce_against_a_hand_computed_cross_entropy():
+    """Renormalised over the scored ids, slot-weighted, slots without a distribution ignored."""
+    torch.manual_seed(0)
+    V, K = 6, 3
+    logits = torch.randn(1, 2, 3, V)                     # [b, N, B-1, V] over scored ids 0..5
+    vocab = torch.tensor([10, 11, 12, 13, 14, 15])       # full-vocab id of each scored column
+    remap = torch.full((20,), -100, dtype=torch.long)
+    remap[vocab] = torch.arange(V)
+    ids = torch.tensor([12, 17, 10])                     # 17 is not scored: dropped, the rest renormalised
+    soft_ids = torch.full((1, 2, 3, K), -100, dtype=torch.long)
+    soft_logp = torch.zeros(1, 2, 3, K)
+    soft_ids[0, 0, 0], soft_logp[0, 0, 0] = ids, torch.log(torch.tensor([0.5, 0.3, 0.1]))
+    soft_ids[0, 1, 2], soft_logp[0, 1, 2] = ids, torch.log(torch.tensor([0.2, 0.2, 0.2]))
+    w = slot_weights(4, 2.0, "cpu")
+    loss, n = soft_ce(logits, soft_ids, soft_logp, w, remap)
+    assert n == 2
+    lp = torch.log_softmax(logits, -1)
+    ce_a = -(0.5 / 0.6 * lp[0, 0, 0, 2] + 0.1 / 0.6 * lp[0, 0, 0, 0])
+    ce_b = -(0.5 * lp[0, 1, 2, 2] + 0.5 * lp[0, 1, 2, 0])
+    want = (w[0] * ce_a + w[2] * ce_b) / (w[0] + w[2])
+    assert torch.allclose(loss, want, atol=1e-6)
+    soft_ids[:] = -100
+    assert soft_ce(logits, soft_ids, soft_logp, w, remap)[1] == 0
