@@ -70,19 +70,17 @@ class FeatureFile:
         self.topk_ids = np.memmap(self.dir / TOPK_IDS, dtype=np.uint16, mode="r", shape=(n, k)) if k else None
         self.topk_logp = np.memmap(self.dir / TOPK_LOGP, dtype=np.float16, mode="r", shape=(n, k)) if k else None
 
-    def lookup(self, offset: int, length: int):
+    def _rows_of(self, offset: int, length: int) -> slice | None:
         hit = self.rows.get(offset)
-        if hit is None or hit[1] != length:
-            return None
-        row, n = hit
-        return self.feats[row:row + n], self.preds[row:row + n]
+        return None if hit is None or hit[1] != length else slice(hit[0], hit[0] + length)
+
+    def lookup(self, offset: int, length: int):
+        rows = self._rows_of(offset, length)
+        return None if rows is None else (self.feats[rows], self.preds[rows])
 
     def lookup_topk(self, offset: int, length: int):
-        hit = self.rows.get(offset)
-        if hit is None or hit[1] != length or offset not in self.with_topk:
-            return None
-        row, n = hit
-        return self.topk_ids[row:row + n], self.topk_logp[row:row + n]
+        rows = self._rows_of(offset, length) if offset in self.with_topk else None
+        return None if rows is None else (self.topk_ids[rows], self.topk_logp[rows])
 
 
 def top_k_log_probs(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -173,6 +173,10 @@ class FeatureStore:
             self.used += nbytes
         return half.float(), pred
 
+    def soft(self, idx: int, length: int) -> None:
+        """No soft labels: the torch target's distributions are not kept (see PrecomputedStore.soft)."""
+        return None
+
 
 class PrecomputedStore:
     """Features and greedy predictions precomputed by the deployed OpenVINO target
@@ -289,7 +293,7 @@ def build_batch(seqs: list[Sequence], idxs, store: FeatureStore, embed, rng: np.
         f, p = store.get(i, t)
         feats.append(f)
         preds.append(p)
-        softs.append(store.soft(i, t.numel()) if soft and hasattr(store, "soft") else None)
+        softs.append(store.soft(i, t.numel()) if soft else None)
         anchors.append(_sample_anchors(rng, s.prompt_len, t.numel(), n_anchors))
     b = len(idxs)
     S = max(t.numel() for t in toks)
@@ -328,8 +332,10 @@ def build_batch(seqs: list[Sequence], idxs, store: FeatureStore, embed, rng: np.
             # slot k's label is the target's pick after position p+k-1: so is its distribution
             pos = (torch.from_numpy(a)[:, None] + torch.arange(B - 1)[None, :]).clamp(max=t.numel() - 1)
             ok = (labels[j, :a.size] >= 0)[..., None]
-            soft_ids[j, :a.size] = torch.where(ok, sf[0][pos], torch.full_like(sf[0][pos], -100))
-            soft_logp[j, :a.size] = sf[1][pos]    # positions: context 0..S-1, then each block p..p+B-1
+            ids_at = sf[0][pos]
+            soft_ids[j, :a.size] = torch.where(ok, ids_at, torch.full_like(ids_at, -100))
+            soft_logp[j, :a.size] = sf[1][pos]
+    # positions: context 0..S-1, then each block p..p+B-1
     ctx_pos = torch.arange(S).expand(b, S)
     blk_pos = (anchor_pos[:, :, None] + torch.arange(B)).reshape(b, N * B)
     position_ids = torch.cat([ctx_pos, blk_pos], dim=1)
