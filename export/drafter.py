@@ -216,14 +216,17 @@ class DrafterAttention(nn.Module):
             v_ctx = torch.cat([past[1], v_ctx], dim=2)
         k = torch.cat([k_ctx, k_blk], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)
-        if self.num_heads != self.num_kv_heads:
-            # GQA by repeating kv heads (the HF repeat_kv layout: head h uses kv head h // groups)
-            groups = self.num_heads // self.num_kv_heads
-            k = k[:, :, None].expand(b, self.num_kv_heads, groups, k.shape[2], self.head_dim).reshape(
-                b, self.num_heads, k.shape[2], self.head_dim)
-            v = v[:, :, None].expand(b, self.num_kv_heads, groups, v.shape[2], self.head_dim).reshape(
-                b, self.num_heads, v.shape[2], self.head_dim)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            # GQA without copying K/V: the `groups` query heads that share a kv head (the HF
+            # layout: head h uses kv head h // groups) become extra query rows of that kv head,
+            # [b, nkv, groups*Q, hd]; the mask's query rows repeat with them. A broadcast K/V
+            # copy of the whole context each draft call was the drafter IR's largest attention cost.
+            q = q.reshape(b, self.num_kv_heads, groups * q_len, self.head_dim)
+            if mask is not None and mask.shape[-2] > 1:
+                mask = mask.repeat(1, 1, groups, 1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+        out = out.reshape(b, self.num_heads, q_len, self.head_dim)
         out = self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
         return out, (k_ctx, v_ctx)
 

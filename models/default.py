@@ -5,7 +5,8 @@ directory (docs/DESIGN.md layout, with manifest.json) at `<root>/smollm2-135m-df
 `<root>` is as in `ovdflash_models.fetch.cache_root`. On first use it fetches SmolLM2
 (`fetch_smollm2`), then exports target + `SHIPPED_DRAFTER` with
 `ovdflash_export.exporter.export_pair`. Idempotent: it re-exports only when the export is missing
-or was made from a different drafter checkpoint (sha256 of its files, kept in `STAMP_NAME`).
+or was made from a different drafter checkpoint or export recipe (sha256 of the checkpoint's files
+and `EXPORT_RECIPE`, kept in `STAMP_NAME`).
 Needs the export extra (torch) only when an export actually runs.
 """
 from __future__ import annotations
@@ -20,15 +21,19 @@ SHIPPED_DRAFTER = Path(__file__).resolve().parent / "smollm2_dflash"
 EXPORT_DIRNAME = "smollm2-135m-dflash-ov"
 STAMP_NAME = "ovdflash_default.json"
 # int8 weights: 4x smaller than f32 with no measurable quality change on SmolLM2 (bf16 *compute* is
-# what hurts it; the runtime compiles it with an f32 inference hint). The 5 MB drafter stays f32.
+# what hurts it; the runtime compiles it with an f32 inference hint). The drafter too: int8 saved
+# 23 MB of resident memory and accepted as many tokens as f32 (docs/BENCHMARKS.md, run-4 drafter).
 TARGET_WEIGHT_FORMAT = "int8"
-DRAFTER_WEIGHT_FORMAT = "fp32"
+DRAFTER_WEIGHT_FORMAT = "int8"
+# part of the export's fingerprint: bump it when the exported graphs change (2: GQA attention
+# without the K/V broadcast), so a cached default model is exported again
+EXPORT_RECIPE = f"target={TARGET_WEIGHT_FORMAT};drafter={DRAFTER_WEIGHT_FORMAT};graphs=2"
 
 
 def drafter_fingerprint(drafter_dir: Path | None = None) -> str:
-    """sha256 over the drafter checkpoint's files (default: the shipped one)."""
+    """sha256 over the drafter checkpoint's files (default: the shipped one) and EXPORT_RECIPE."""
     drafter_dir = SHIPPED_DRAFTER if drafter_dir is None else drafter_dir
-    h = hashlib.sha256()
+    h = hashlib.sha256(EXPORT_RECIPE.encode())
     for name in ("config.json", "model.safetensors", "draft_vocab.json"):
         path = Path(drafter_dir) / name
         if path.is_file():  # draft_vocab.json is optional

@@ -108,6 +108,42 @@ class OursRunner:
         return tokens, wall, stats.ttft_s, stats
 
 
+class PerfectDrafter:
+    """The real drafter's call, its cost paid and its output discarded: proposes the known greedy
+    continuation instead (`sequence` = prompt + the `ar` reference; `start` indexes `last` in it)."""
+
+    def __init__(self, drafter, pad_token_id: int):
+        self.drafter, self.pad_token_id = drafter, pad_token_id
+        self.sequence: list[int] = []
+
+    def reset(self) -> None:
+        self.drafter.reset()
+
+    def propose(self, last: int, ctx_feats: np.ndarray, start: int, num_drafts: int) -> np.ndarray:
+        self.drafter.propose(last, ctx_feats, start, num_drafts)
+        known = self.sequence[start + 1:start + 1 + num_drafts]
+        return np.array(known + [self.pad_token_id] * (num_drafts - len(known)), dtype=np.int64)
+
+
+class OracleRunner:
+    """`oracle@B`: this pipeline at block size B with `PerfectDrafter` (the runtime's ceiling)."""
+
+    def __init__(self, pipe: DFlashPipeline, block_size: int):
+        self.reference_pipe, self.block_size = pipe, block_size
+        self.drafter = PerfectDrafter(pipe.drafter, pipe.mask_token_id or 0)
+        self.pipe = DFlashPipeline(pipe.target, self.drafter, pipe.tokenizer, pipe.eos_token_ids, pipe.block_size,
+                                   pipe.mask_token_id, pipe.model_dir, pipe.bos_token_id)
+        self.references: dict[tuple, list[int]] = {}
+
+    def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float, GenerationStats]:
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in self.references:  # untimed: the continuation a perfect drafter would know
+            self.references[key] = [e.token for e in self.reference_pipe.generate_tokens(
+                prompt_ids, max_new_tokens, draft=False, stats=GenerationStats())]
+        self.drafter.sequence = list(prompt_ids) + self.references[key]
+        return OursRunner(self.pipe, self.block_size)(prompt_ids, max_new_tokens)
+
+
 class GenaiRunner:
     """openvino.genai LLMPipeline: autoregressive, DFlash (block_size) or prompt lookup."""
 
@@ -238,6 +274,14 @@ def build_runners(model_dir: Path, modes: list[str], block_sizes: list[int | str
                 runners[f"dflash@{b}"] = OursRunner(pipe, b)
         elif mode == "ar":
             runners["ar"] = OursRunner(pipe, None)
+        elif mode == "oracle":
+            if pipe.drafter is None:
+                raise click.ClickException(f"mode oracle needs a drafter, and {model_dir} has none")
+            for b in block_sizes:
+                if b == "auto":
+                    notes.append("oracle@auto: skipped, the oracle runs fixed block sizes only")
+                else:
+                    runners[f"oracle@{b}"] = OracleRunner(pipe, b)
         elif mode.startswith("genai"):
             try:
                 import openvino_genai  # noqa: F401
@@ -257,7 +301,8 @@ def build_runners(model_dir: Path, modes: list[str], block_sizes: list[int | str
                 except Exception as exc:  # report why, keep benchmarking the rest
                     notes.append(f"{name}: could not be built: {str(exc).splitlines()[0][:200]}")
         else:
-            raise click.ClickException(f"unknown mode {mode!r} (choose from dflash, ar, genai-ar, genai-dflash, genai-pl)")
+            raise click.ClickException(f"unknown mode {mode!r} (choose from dflash, ar, genai-ar, genai-dflash, "
+                                       "genai-pl, oracle)")
     return {"pipe": pipe, "runners": runners}
 
 
@@ -318,9 +363,9 @@ def summarize(runs: list[Run], names: list[str], prompt_sets: list[str], notes: 
                      "num_runs": len(rs), "num_tokens": sum(r.num_tokens for r in rs),
                      "foreign_cores": _median([r.foreign_cores for r in rs])}
             st = [r.stats for r in rs]
-            if name == "ar" or name.startswith("dflash@"):
+            if name == "ar" or name.startswith(("dflash@", "oracle@")):
                 entry["tpot_ms"] = _median([s["tpot_ms"] for s in st])
-            if name.startswith("dflash@"):
+            if name.startswith(("dflash@", "oracle@")):
                 pooled = GenerationStats()  # counters pooled over runs, exact per position
                 for r in rs:
                     pooled.merge(r.spec)
@@ -346,7 +391,7 @@ def summarize(runs: list[Run], names: list[str], prompt_sets: list[str], notes: 
         baselines = [per_mode[m]["tokens_per_s"] for m in ("ar", "genai-ar") if m in per_mode]
         best_ar = max(baselines) if baselines else float("nan")
         for name, entry in per_mode.items():
-            if "dflash" in name or name == "genai-pl":
+            if "dflash" in name or name.startswith("oracle@") or name == "genai-pl":
                 entry["speedup"] = entry["tokens_per_s"] / best_ar
                 entry["cost_reduction_per_token"] = 1 - 1 / entry["speedup"]
         out["prompt_sets"][set_name] = {"description": PROMPT_SETS.get(set_name, ""), "best_ar_tokens_per_s": best_ar,
@@ -360,7 +405,7 @@ def _ratios(per_mode: dict, best_ar: float) -> dict:
     tps = {name: e["tokens_per_s"] for name, e in per_mode.items()}
     out = {}
     for name, value in tps.items():
-        if name.startswith("dflash@"):
+        if name.startswith(("dflash@", "oracle@")):
             out[f"{name} / best AR"] = value / best_ar
             rival = "genai-" + name
             if rival in tps:
@@ -418,27 +463,33 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for set_name, data in result["prompt_sets"].items():
-        sizes, speedups = [], []
+    for set_index, (set_name, data) in enumerate(result["prompt_sets"].items()):
+        curves = {"dflash@": ([], []), "oracle@": ([], [])}
         for name, e in data["modes"].items():
-            if name.startswith("dflash@"):
-                b = name.split("@")[1]
-                if b != "auto":  # no place on the block-size axis
-                    sizes.append(int(b))
-                    speedups.append(e.get("speedup", float("nan")))
+            kind = name[: name.index("@") + 1] if "@" in name else ""
+            if kind not in curves:
+                continue
+            b = name.split("@")[1]
+            if b != "auto":  # no place on the block-size axis
+                curves[kind][0].append(int(b))
+                curves[kind][1].append(e.get("speedup", float("nan")))
+            if kind == "dflash@":
                 rates = e.get("per_position_acceptance_rate", [])
                 ax1.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{set_name} B={b}")
-        if sizes:
-            ax2.plot(sizes, speedups, marker="o", label=set_name)
+        for kind, (sizes, speedups) in curves.items():
+            if sizes:  # oracle@B: a perfect drafter at the real drafter's cost, the runtime's ceiling
+                ax2.plot(sizes, speedups, marker="o", linestyle="-" if kind == "dflash@" else "--", color=f"C{set_index}",
+                         label=set_name if kind == "dflash@" else f"{set_name}, perfect drafter")
     all_sizes = sorted({int(n.split("@")[1]) for d in result["prompt_sets"].values() for n in d["modes"]
-                        if n.startswith("dflash@") and n != "dflash@auto"})
+                        if n.startswith(("dflash@", "oracle@")) and not n.endswith("@auto")})
     if all_sizes:
         ax2.set_xticks(all_sizes)
     ax1.set(xlabel="draft position", ylabel="acceptance rate", title="Per-position acceptance", ylim=(0, 1))
     ax2.axhline(1.0, color="grey", lw=0.8)
     ax2.set(xlabel="block size", ylabel="speedup over best AR", title="DFlash speedup vs block size")
-    ax1.legend(fontsize=7)
-    ax2.legend(fontsize=8)
+    for ax, size in ((ax1, 7), (ax2, 8)):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=size)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -457,7 +508,8 @@ def parse_block_sizes(text: str) -> list[int | str]:
 @click.option("-n", "--num-prompts", default=8, show_default=True, help="prompts per set")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--modes", default="dflash,ar,genai-ar,genai-dflash", show_default=True,
-              help="comma-separated from dflash, ar, genai-ar, genai-dflash, genai-pl")
+              help="comma-separated from dflash, ar, genai-ar, genai-dflash, genai-pl, oracle (a perfect "
+                   "drafter at the real drafter's cost: the runtime's ceiling)")
 @click.option("--block-sizes", default="8", show_default=True,
               help="comma-separated block sizes to sweep; 'auto' = the automatic block size")
 @click.option("--repetitions", default=3, show_default=True)

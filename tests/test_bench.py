@@ -159,3 +159,24 @@ def test_genai_modes_never_reuse_a_cached_prompt(monkeypatch, tiny_pair):
         GenaiRunner(tiny_pair, manifest, {}, [0], kind, block_size=4)
     assert len(seen) == 3
     assert all(sc is not None and sc.enable_prefix_caching is False for sc in seen)
+
+
+def test_oracle_mode_accepts_whole_blocks_at_the_drafters_cost(tiny_pair, tmp_path):
+    """oracle@B: the real drafter runs every round, its proposals replaced by the greedy
+    continuation, so (strict f32) every round but the truncated last one accepts all B-1 drafts,
+    and the output is the `ar` output."""
+    config = {**STRICT_F32, "CACHE_DIR": str(tmp_path / "ov_cache"), "INFERENCE_NUM_THREADS": 1}
+    res = run_benchmark(tiny_pair, ["code"], num_prompts=2, max_new_tokens=13, modes=["oracle", "dflash", "ar"],
+                        block_sizes=[4, "auto"], repetitions=1, warmup=0, config=config)
+    assert "oracle@4" in res["modes"] and "oracle@auto" not in res["modes"]
+    assert any("oracle@auto" in note for note in res["notes"])
+    e = res["prompt_sets"]["code"]["modes"]["oracle@4"]
+    assert res["agreement"]["oracle@4"] == 1.0
+    # a run of 13 tokens whose first token comes from the prefill: 12 = 4 rounds of 3 accepted + bonus
+    runs = [r for r in res["runs"] if r["mode"] == "oracle@4"]
+    full = [r for r in runs if r["tokens"] == 13]
+    assert full, "the tiny target emitted EOS early in every run"
+    assert e["per_position_acceptance_rate"][0] == 1.0
+    assert e["mean_acceptance_length"] > 3.0
+    assert e["draft_ms_per_round"] > 0  # the real drafter ran
+    assert res["prompt_sets"]["code"]["ratios"]["oracle@4 / best AR"] == pytest.approx(e["speedup"])

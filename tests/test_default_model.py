@@ -54,3 +54,12 @@ def test_missing_shipped_drafter_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(default_mod, "SHIPPED_DRAFTER", tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="shipped drafter"):
         default_mod.ensure_default_model(tmp_path, progress=False)
+
+
+def test_new_export_recipe_triggers_reexport(fake_world, monkeypatch):
+    root, drafter, calls = fake_world
+    default_mod.ensure_default_model(root / "cache", progress=False)
+    assert calls[0][2]["drafter_weight_format"] == default_mod.DRAFTER_WEIGHT_FORMAT
+    monkeypatch.setattr(default_mod, "EXPORT_RECIPE", default_mod.EXPORT_RECIPE + ";changed")
+    default_mod.ensure_default_model(root / "cache", progress=False)
+    assert len(calls) == 2

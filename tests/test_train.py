@@ -8,7 +8,8 @@ import torch
 from ovdflash_export.data import ShardWriter, load_sequences
 from ovdflash_export.drafter import DFlashDrafter
 from ovdflash_export.tiny import make_tiny_target
-from ovdflash_export.train import STATE_NAME, FrozenTarget, TrainConfig, chain_labels, slot_weights, soft_ce, train
+from ovdflash_export.train import (STATE_NAME, FrozenTarget, TrainConfig, chain_labels, most_used_ids, slot_weights,
+                                   soft_ce, split_train_val, train)
 
 VOCAB = 512
 
@@ -232,3 +233,36 @@ def test_soft_ce_against_a_hand_computed_cross_entropy():
     assert torch.allclose(loss, want, atol=1e-6)
     soft_ids[:] = -100
     assert soft_ce(logits, soft_ids, soft_logp, w, remap)[1] == 0
+
+
+def test_most_used_ids_ranks_by_count_then_id():
+    responses = [np.array([5, 5, 5, 9, 2]), np.array([9, 9, 2, 7]), np.array([7, 40])]
+    # counts: 5:3, 9:3, 2:2, 7:2, 40:1
+    assert most_used_ids(responses, 2).tolist() == [5, 9]
+    assert most_used_ids(responses, 3).tolist() == [2, 5, 9]           # 2 beats 7 on the tie
+    assert most_used_ids(responses, 10).tolist() == [2, 5, 7, 9, 40]   # fewer ids than asked
+    assert most_used_ids(responses, 3, allowed=torch.tensor([2, 7, 40])).tolist() == [2, 7, 40]
+
+
+def test_draft_vocab_size_keeps_the_most_used_ids_and_the_full_ce(tiny_setup):
+    target, data, root = tiny_setup
+    out = root / "run_small_vocab"
+    cfg = _cfg(target, data, out, max_steps=2, draft_vocab_size=10)
+    train(cfg, log=lambda s: None)
+    vocab = json.loads((out / "draft_vocab.json").read_text())
+    state = torch.load(out / STATE_NAME, weights_only=False)
+    assert len(state["vocab_ids"]) == 24  # the CE still trains over the whole alphabet
+    seqs = load_sequences(data)
+    train_idx, _ = split_train_val(seqs, cfg.val_fraction, cfg.seed)
+    counts = np.zeros(VOCAB, dtype=np.int64)
+    for i in train_idx:
+        np.add.at(counts, seqs[i].tokens[seqs[i].prompt_len:], 1)
+    ranked = sorted(state["vocab_ids"].tolist(), key=lambda t: (-counts[t], t))
+    assert vocab == sorted(ranked[:10])
+
+
+def test_distillation_without_precomputed_features_is_refused(tiny_setup, tmp_path):
+    target, data, _ = tiny_setup
+    with pytest.raises(ValueError, match="features_root"):
+        train(_cfg(target, data, tmp_path / "kd", max_steps=1, kd_weight=0.5), log=lambda s: None)
+    assert not (tmp_path / "kd").exists()  # refused before anything is written
