@@ -476,14 +476,8 @@ DRAFT_VOCAB_NAME = "draft_vocab.json"  # optional in a checkpoint; `ovdflash exp
 def most_used_ids(responses, size: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """The `size` token ids used most often in `responses` (arrays of ids), among `allowed` when
     given; ties go to the smaller id. Returned sorted."""
-    counts = np.zeros(0, dtype=np.int64)
-    for r in responses:
-        c = np.bincount(np.asarray(r, dtype=np.int64))
-        if len(c) > len(counts):
-            c[: len(counts)] += counts
-            counts = c
-        else:
-            counts[: len(c)] += c
+    tokens = [np.asarray(r, dtype=np.int64) for r in responses]
+    counts = np.bincount(np.concatenate(tokens)) if tokens else np.zeros(0, dtype=np.int64)
     ids = np.nonzero(counts)[0]
     if allowed is not None:
         ids = np.intersect1d(ids, allowed.cpu().numpy())
@@ -638,13 +632,15 @@ def train(cfg: TrainConfig, log=print) -> Path:
         va = [i for i in va if all_seqs[i].mode != "text"]  # validate on the target's own responses only
         return all_seqs, list(walk), va[: cfg.max_val_seqs]
 
-    def used_vocab(seqs, idxs):
+    def own_responses(seqs, idxs):
         # the target's own responses define the CE subset (and the draft vocabulary): foreign text
         # brings rare ids the target seldom emits, which would only widen the drafter's head
+        return (seqs[i].tokens[seqs[i].prompt_len:] for i in idxs if seqs[i].mode != "text")
+
+    def used_vocab(seqs, idxs):
         used = np.zeros(vocab, dtype=bool)
-        for i in idxs:
-            if seqs[i].mode != "text":
-                used[seqs[i].tokens[seqs[i].prompt_len:]] = True
+        for response in own_responses(seqs, idxs):
+            used[response] = True
         return torch.from_numpy(np.nonzero(used)[0])
 
     def vocab_tables(ids):
@@ -724,8 +720,7 @@ def train(cfg: TrainConfig, log=print) -> Path:
         os.replace(tmp, state_path)
         draft_vocab = vocab_ids
         if vocab_ids is not None and cfg.draft_vocab_size:
-            draft_vocab = most_used_ids((seqs[i].tokens[seqs[i].prompt_len:] for i in train_idx
-                                         if seqs[i].mode != "text"), cfg.draft_vocab_size, vocab_ids)
+            draft_vocab = most_used_ids(own_responses(seqs, train_idx), cfg.draft_vocab_size, vocab_ids)
         save_folded(drafter, inv_scale, out_dir, draft_vocab=draft_vocab)
 
     log_f = open(out_dir / LOG_NAME, "a")

