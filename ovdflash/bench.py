@@ -33,7 +33,8 @@ Contract:
 - `agreement`: per mode, the fraction of runs whose tokens equal the `ar` run of the same
   prompt; 1.0 is expected under STRICT_F32 numerics, and near-ties may flip otherwise.
 - With `dflash@auto`, `block_policy` records the policy's measured round costs (ms for k = 0..B-1
-  drafts) and its acceptance estimates at the end (it learns across all runs of the bench).
+  drafts, steady state), its switch cost (ms) and its acceptance estimates at the end (it learns
+  across all runs of the bench).
 """
 from __future__ import annotations
 
@@ -343,6 +344,7 @@ def run_benchmark(model_dir: Path, prompt_sets: list[str], num_prompts: int, max
     if pipe.block_policy is not None:  # what "auto" measured and learned, to explain its choices
         policy = pipe.block_policy
         result["block_policy"] = {"round_ms_by_drafts": [1e3 * c for c in policy.round_cost_s],
+                                  "switch_ms": 1e3 * policy.switch_cost_s,
                                   "acceptance_by_position": policy.acceptance()}
     result["runs"] = [{"mode": r.mode, "prompt_set": r.prompt_set, "prompt": r.prompt_index, "tokens": r.num_tokens,
                        "wall_s": round(r.wall_s, 4), "foreign_cores": round(r.foreign_cores, 2)} for r in runs]

@@ -1,20 +1,29 @@
 """Automatic block size: per round, how many drafts to verify (0 = a plain autoregressive step).
 
 Contract:
-- `BlockPolicy(step_cost_s, draft_cost_s)`: `step_cost_s[k]` is the measured seconds of a
-  target verify of k+1 tokens (k drafts plus the last token; k = 0 is one AR step) and
-  `draft_cost_s[k]` the seconds of a drafter call proposing k drafts (`draft_cost_s[0]` is 0: an
-  AR step does not call the drafter). Both have length `max_drafts + 1`.
+- `BlockPolicy(step_cost_s, draft_cost_s, switch_cost_s=0)`: `step_cost_s[k]` is the measured
+  seconds of a target verify of k+1 tokens (k drafts plus the last token; k = 0 is one AR step)
+  in steady state (the same k as the round before), `draft_cost_s[k]` the seconds of a drafter
+  call proposing k drafts (`draft_cost_s[0]` is 0: an AR step does not call the drafter); both
+  have length `max_drafts + 1`. `switch_cost_s` is what a round costs on top of that when its k
+  differs from the previous round's: the target's next call has a new input shape [1, k+1],
+  which costs the CPU plugin ~8 ms (SmolLM2, 2 cores: an AR step 27 ms when repeated, 35 ms
+  right after a 2-token verify), and a round after AR steps also has the drafter catch up on
+  their context.
+- `begin_sequence()`: a new generation starts (after its prefill every k is a new shape).
 - `choose(max_drafts)` returns k in 0..min(max_drafts, self.max_drafts) that maximizes the
-  expected tokens per second E[accepted + 1](k) / (draft_cost_s[k] + step_cost_s[k]), with
-  E[accepted + 1](k) = 1 + sum_{j<=k} prod_{i<=j} p_i and p_i the estimated conditional acceptance
-  of draft i given drafts 1..i-1 were accepted.
+  expected tokens per second E[accepted + 1](k) / cost(k), with cost(k) = draft_cost_s[k] +
+  step_cost_s[k], plus switch_cost_s / `switch_horizon` when k is not the previous round's
+  (a switch pays once for the rounds the new choice is expected to last), and
+  E[accepted + 1](k) = 1 + sum_{j<=k} prod_{i<=j} p_i, p_i the estimated conditional acceptance
+  of draft i given drafts 1..i-1 were accepted. Without the switch term "auto" flips between
+  k values whose steady rates are close, and pays the switch on every flip.
 - `observe_round(num_drafted, num_accepted, seconds=None)` (num_drafted = 0: an AR step)
-  moves the cost of that k, when timed, towards what it cost in use (an EMA at
-  `cost_update_rate`, each sample clipped to 0.5-2x the estimate so one descheduled call
-  cannot swing it): in use, k changes from round to round, a call whose input shape changed
-  costs more than the calibration's steady state, and the drafter catches up on the context
-  of the AR steps before it. A round with drafts also updates the p_i: positions 1..a
+  learns costs in use when timed, as EMAs at `cost_update_rate`: a round that repeats the
+  previous k moves that k's steady cost (each sample clipped to 0.5-2x the estimate so one
+  descheduled call cannot swing it); a round that switched moves `switch_cost_s` towards its
+  excess over the steady cost (clipped to 0..1x that cost). The first round of a sequence
+  teaches neither. A round with drafts also updates the p_i: positions 1..a
   accepted, position a+1 rejected (if a < drafted), later positions unseen. Counts decay by
   `decay` per round (the default keeps about the last 10), on top of a Beta prior of
   `prior_strength` pseudo-rounds whose mean is `prior_acceptance` for p_1 and the estimate of
@@ -25,7 +34,7 @@ Contract:
   about 2-3 AR steps (a drafter catch-up over the skipped context, a verify of a new shape),
   so a drafter that stays bad is probed ever more rarely; choosing to draft resets the wait.
 - `measure_costs(target, drafter, prompt_ids, max_drafts, measured_drafts=None)` measures the two
-  cost curves with real rounds of the engine (so the costs include accept, commit and the Python
+  cost curves and the switch cost with real rounds of the engine (so the costs include accept, commit and the Python
   around them) for k = 0..measured_drafts and extends them linearly to max_drafts: every input
   shape a compiled model has run keeps CPU-plugin memory (SmolLM2 int8: calibrating k = 0..7 cost
   ~60 MB more than 0..2), and a verify costs about the same per extra token; a longer block is
@@ -44,9 +53,10 @@ import numpy as np
 
 
 class BlockPolicy:
-    def __init__(self, step_cost_s: Sequence[float], draft_cost_s: Sequence[float],
+    def __init__(self, step_cost_s: Sequence[float], draft_cost_s: Sequence[float], switch_cost_s: float = 0.0,
                  prior_acceptance: float = 0.5, prior_strength: float = 2.0, decay: float = 0.9,
-                 explore_every: int = 32, max_explore_every: int = 256, cost_update_rate: float = 0.1):
+                 explore_every: int = 32, max_explore_every: int = 256, cost_update_rate: float = 0.1,
+                 switch_horizon: float = 8.0):
         if len(step_cost_s) != len(draft_cost_s) or len(step_cost_s) < 1:
             raise ValueError("step_cost_s and draft_cost_s need one entry per draft count 0..max_drafts")
         if min(step_cost_s) <= 0:
@@ -54,6 +64,11 @@ class BlockPolicy:
         self.round_cost_s = [float(s) + (float(d) if k else 0.0)
                              for k, (s, d) in enumerate(zip(step_cost_s, draft_cost_s))]
         self.max_drafts = len(step_cost_s) - 1
+        if switch_cost_s < 0 or switch_horizon <= 0:
+            raise ValueError(f"switch_cost_s must be >= 0 and switch_horizon > 0, got {switch_cost_s}, {switch_horizon}")
+        self.switch_cost_s = float(switch_cost_s)
+        self.switch_horizon = switch_horizon
+        self.previous_k: int | None = None  # k of the last round of this sequence (None: none yet)
         self.cost_update_rate = cost_update_rate
         self.prior_acceptance = prior_acceptance
         self.prior_strength = prior_strength
@@ -75,8 +90,16 @@ class BlockPolicy:
             estimates.append(prior)
         return estimates
 
+    def begin_sequence(self) -> None:
+        self.previous_k = None
+
+    def round_cost(self, k: int) -> float:
+        """Expected seconds of a round with k drafts, coming from the previous round's k."""
+        switching = self.previous_k is not None and k != self.previous_k
+        return self.round_cost_s[k] + (self.switch_cost_s / self.switch_horizon if switching else 0.0)
+
     def expected_tokens_per_s(self, max_drafts: int | None = None) -> list[float]:
-        """E[accepted + 1](k) / cost(k) for k = 0..max_drafts."""
+        """E[accepted + 1](k) / round_cost(k) for k = 0..max_drafts."""
         limit = self.max_drafts if max_drafts is None else min(max_drafts, self.max_drafts)
         rates, expected, reach = [], 1.0, 1.0
         p = self.acceptance()
@@ -84,7 +107,7 @@ class BlockPolicy:
             if k:
                 reach *= p[k - 1]      # P(drafts 1..k all accepted)
                 expected += reach
-            rates.append(expected / self.round_cost_s[k])
+            rates.append(expected / self.round_cost(k))
         return rates
 
     def choose(self, max_drafts: int) -> int:
@@ -103,10 +126,15 @@ class BlockPolicy:
         return 1 + int(np.argmax(rates[1:]))
 
     def observe_round(self, num_drafted: int, num_accepted: int, seconds: float | None = None) -> None:
-        if seconds is not None:
+        if seconds is not None and self.previous_k is not None:
             estimate = self.round_cost_s[num_drafted]
-            sample = min(max(seconds, 0.5 * estimate), 2.0 * estimate)
-            self.round_cost_s[num_drafted] = estimate + self.cost_update_rate * (sample - estimate)
+            if num_drafted == self.previous_k:
+                sample = min(max(seconds, 0.5 * estimate), 2.0 * estimate)
+                self.round_cost_s[num_drafted] = estimate + self.cost_update_rate * (sample - estimate)
+            else:
+                excess = min(max(seconds - estimate, 0.0), estimate)
+                self.switch_cost_s += self.cost_update_rate * (excess - self.switch_cost_s)
+        self.previous_k = num_drafted
         if num_drafted == 0:
             return
         self.accepted = [a * self.decay for a in self.accepted]
@@ -129,14 +157,14 @@ def nondecreasing(values: Sequence[float]) -> list[float]:
 
 
 def measure_costs(target, drafter, prompt_ids: Sequence[int], max_drafts: int,
-                  repetitions: int = 3, measured_drafts: int | None = None) -> tuple[list[float], list[float]]:
-    """(step_cost_s, draft_cost_s) for k = 0..max_drafts: medians over `repetitions` of greedy
-    engine rounds with k drafts (k = 0: an AR step), each curve made nondecreasing in k; only
-    k <= measured_drafts (None: all) are run, the rest continue the measured slope (extend_linearly).
-    The k are interleaved in a rotating order, so machine noise hits every k alike, and each
-    timed pass follows an untimed pass of the same k: a change of input shape costs the next
-    call extra, and in steady use the same k repeats (a run of AR steps above all), so timing
-    right after a switch would overcharge AR steps and make drafting look cheap. Resets both runners."""
+                  repetitions: int = 3, measured_drafts: int | None = None) -> tuple[list[float], list[float], float]:
+    """(step_cost_s, draft_cost_s, switch_cost_s): the first two for k = 0..max_drafts, medians
+    over `repetitions` of greedy engine rounds with k drafts (k = 0: an AR step), each curve made
+    nondecreasing in k; only k <= measured_drafts (None: all) are run, the rest continue the
+    measured slope (extend_linearly). The k are interleaved in a rotating order, so machine noise
+    hits every k alike, and each k runs twice in a row: the second pass is the steady cost, and
+    the first pass, which follows another k (a new input shape), gives the switch cost as the
+    median excess of first over second passes. Resets both runners."""
     from . import engine
     from .sampling import SamplingParams, sample_token
     from .stats import GenerationStats
@@ -150,12 +178,14 @@ def measure_costs(target, drafter, prompt_ids: Sequence[int], max_drafts: int,
     last, ctx_feats = sample_token(logits[-1], params, rng), np.array(feats)
     measured = max_drafts if measured_drafts is None else max(1, min(measured_drafts, max_drafts))
     steps, drafts = [[] for _ in range(measured + 1)], [[] for _ in range(measured + 1)]
+    switch_excess = []
     ks = list(range(measured + 1))
     for rep in range(repetitions):
         for k in ks[rep % len(ks):] + ks[: rep % len(ks)]:
             if target.committed + 2 * (k + 1) >= target.max_length:
                 break  # out of context: keep what was measured
-            for _ in range(2):  # the stats of the second pass are kept (see above)
+            passes = []
+            for _ in range(2):  # after another k, then steady (see above)
                 stats = GenerationStats()
                 if k == 0:
                     t0 = time.perf_counter()
@@ -164,6 +194,9 @@ def measure_costs(target, drafter, prompt_ids: Sequence[int], max_drafts: int,
                 else:
                     _, last, ctx_feats = engine.speculative_round(target, drafter, last, ctx_feats, k + 1,
                                                                   params, rng, stats)
+                passes.append(stats.verify_s + stats.draft_s)
+            if rep or k != ks[0]:  # the very first pass follows the prefill, not another k
+                switch_excess.append(passes[0] - passes[1])
             steps[k].append(stats.verify_s)
             drafts[k].append(stats.draft_s)
     target.reset()
@@ -172,7 +205,8 @@ def measure_costs(target, drafter, prompt_ids: Sequence[int], max_drafts: int,
         raise ValueError("the calibration prompt leaves no room in the context for one pass")
     step = nondecreasing([statistics.median(s) for s in steps])
     draft = [0.0] + nondecreasing([statistics.median(d) for d in drafts[1:]])
-    return extend_linearly(step, max_drafts), extend_linearly(draft, max_drafts)
+    switch = max(statistics.median(switch_excess), 0.0) if switch_excess else 0.0
+    return extend_linearly(step, max_drafts), extend_linearly(draft, max_drafts), switch
 
 
 def extend_linearly(curve: list[float], max_drafts: int) -> list[float]:

@@ -17,8 +17,8 @@ Contract:
   consumer that stops early (a stop string) never pays for the next round.
 - With no drafter (or draft=False) it is plain autoregressive decoding on the same target and
   the same sampling function: the baseline that greedy DFlash must match token for token.
-- With a `policy` (`block_policy.BlockPolicy` or anything with `choose(max_drafts) -> k`,
-  `observe_round(drafted, accepted, seconds)`), each round verifies the k drafts it chooses, up
+- With a `policy` (`block_policy.BlockPolicy` or anything with `begin_sequence()`,
+  `choose(max_drafts) -> k`, `observe_round(drafted, accepted, seconds)`), each round verifies the k drafts it chooses, up
   to block_size - 1; k = 0 is an AR step that still feeds the drafter's context. Every round and
   step it chose is reported back with its wall time. Only the number of verified tokens
   changes, so output is the same as with any fixed block.
@@ -38,6 +38,7 @@ from .stats import GenerationStats
 class BlockSizePolicy(Protocol):
     max_drafts: int
 
+    def begin_sequence(self) -> None: ...
     def choose(self, max_drafts: int) -> int: ...
     def observe_round(self, num_drafted: int, num_accepted: int, seconds: float | None = None) -> None: ...
 
@@ -134,6 +135,8 @@ def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Se
     last = sample_token(logits[-1], params, rng)
     ctx_feats = np.array(feats)
     stats.prefill_s += time.perf_counter() - t_start
+    if policy is not None:
+        policy.begin_sequence()
 
     num_out = 0
     pending = [(last, False)]

@@ -158,9 +158,9 @@ class DFlashPipeline:
                 raise ValueError("block_size='auto' needs a drafter")
             prompt = (self.encode_prompt([{"role": "user", "content": CALIBRATION_PROMPT}]) if self.tokenizer
                       else list(range(1, 33)))
-            step_cost_s, draft_cost_s = measure_costs(self.target, self.drafter, prompt, self.block_size - 1,
-                                                      measured_drafts=CALIBRATED_DRAFTS)
-            self.block_policy = BlockPolicy(step_cost_s, draft_cost_s)
+            step_cost_s, draft_cost_s, switch_cost_s = measure_costs(
+                self.target, self.drafter, prompt, self.block_size - 1, measured_drafts=CALIBRATED_DRAFTS)
+            self.block_policy = BlockPolicy(step_cost_s, draft_cost_s, switch_cost_s)
         return self.block_policy
 
     def _recorded(self, events, call_stats: GenerationStats, caller_stats: GenerationStats | None):

@@ -136,6 +136,7 @@ def test_auto_mode_runs_lossless_and_records_its_policy(tiny_pair, tmp_path):
         data["prompt_sets"]["code"]["ratios"]
     policy = data["block_policy"]
     assert len(policy["round_ms_by_drafts"]) == len(policy["acceptance_by_position"]) + 1 == 4  # tiny block 4
+    assert policy["switch_ms"] >= 0
     assert (out / "bench.png").exists()
 
 

@@ -68,18 +68,46 @@ def test_observe_round_counts_accepted_rejected_and_unseen_positions():
 
 def test_costs_in_use_correct_the_calibration_robustly():
     policy = smollm_like_policy(cost_update_rate=0.5)
-    policy.observe_round(1, 0, seconds=0.035)          # a k=1 round cost 35 ms, not the 32 calibrated
+    policy.observe_round(1, 0, seconds=1.0)            # the first round after the prefill teaches nothing
+    assert policy.round_cost_s[1] == pytest.approx(0.032) and policy.switch_cost_s == 0.0
+    policy.observe_round(1, 0, seconds=0.035)          # a repeated k=1 round cost 35 ms, not the 32 calibrated
     assert policy.round_cost_s[1] == pytest.approx(0.032 + 0.5 * 0.003)
+    policy.observe_round(0, 0, seconds=0.033)          # an AR step right after it: 8 ms over the steady 25
+    assert policy.round_cost_s[0] == pytest.approx(0.025) and policy.switch_cost_s == pytest.approx(0.5 * 0.008)
     policy.observe_round(0, 0, seconds=10.0)           # a descheduled AR step: clipped to 2x
     assert policy.round_cost_s[0] == pytest.approx(0.025 + 0.5 * 0.025)
-    assert policy.seen == [1.0] + [0.0] * 6             # an AR step judges no draft
+    policy.observe_round(1, 0, seconds=10.0)           # a descheduled switch: at most one more round
+    assert policy.switch_cost_s == pytest.approx(0.004 + 0.5 * (policy.round_cost_s[1] - 0.004))
+    assert policy.seen[0] == pytest.approx((1 * 0.9 + 1) * 0.9 + 1)  # 3 k=1 rounds; AR steps judge no draft
     # a k=1 round that really costs 1.5 AR steps stops paying at a conditional acceptance of 0.3
     policy = smollm_like_policy(prior_strength=1e6, prior_acceptance=0.3)
     assert policy.choose(1) == 1                        # calibrated: 32 ms for 1.3 tokens vs 25 ms for 1
     for _ in range(40):
-        policy.observe_round(1, 0, seconds=0.0375)
-        policy.observe_round(0, 0, seconds=0.025)
+        for _ in range(2):
+            policy.observe_round(1, 0, seconds=0.0375)
+        for _ in range(2):
+            policy.observe_round(0, 0, seconds=0.025)
     assert policy.choose(1) == 0
+
+
+def test_a_switch_cost_keeps_the_previous_choice_unless_another_pays_for_it():
+    # steady costs: AR 25 ms for 1 token, k=1 32 ms for 1 + p tokens: break-even at p = 0.28
+    def policy_at(p, previous, switch_ms):
+        policy = smollm_like_policy(switch_cost_s=switch_ms / 1e3, prior_strength=1e6, prior_acceptance=p)
+        policy.observe_round(previous, 0)
+        return policy.choose(1)
+    for previous in (0, 1):   # far from break-even the rates decide, wherever the policy comes from
+        assert policy_at(0.10, previous, 8.0) == 0 and policy_at(0.50, previous, 8.0) == 1
+    # near it, an 8 ms switch spread over 8 rounds (1 ms a round) keeps the current k
+    assert policy_at(0.30, 0, 8.0) == 0 and policy_at(0.30, 1, 8.0) == 1
+    assert policy_at(0.25, 0, 8.0) == 0 and policy_at(0.25, 1, 8.0) == 1
+    assert policy_at(0.30, 0, 0.0) == 1 and policy_at(0.25, 1, 0.0) == 0   # no switch cost: no memory
+    policy = smollm_like_policy(switch_cost_s=0.008, prior_strength=1e6, prior_acceptance=0.30)
+    policy.observe_round(0, 0)
+    policy.begin_sequence()   # a new sequence: every k is a new shape, no k is favoured
+    assert policy.choose(1) == 1
+    with pytest.raises(ValueError):
+        smollm_like_policy(switch_cost_s=-0.001)
 
 
 @pytest.mark.parametrize("p, expected", [(0.0, 0), (0.99, 7)])
@@ -151,6 +179,10 @@ class RandomPolicy:
 
     def __init__(self, max_drafts, seed=0):
         self.max_drafts, self.rng, self.choices = max_drafts, np.random.default_rng(seed), []
+        self.sequences = 0
+
+    def begin_sequence(self):
+        self.sequences += 1
 
     def choose(self, max_drafts):
         self.choices.append(int(self.rng.integers(0, max_drafts + 1)))
@@ -171,7 +203,7 @@ def test_random_policy_is_lossless_on_mocks(error_rate):
         ar = tokens(generate(target, None, prompt, 50, GREEDY))
         policy = RandomPolicy(7, seed=i)
         assert tokens(generate(target, drafter, prompt, 50, GREEDY, stats=stats, policy=policy)) == ar
-        assert max(policy.choices) <= 7
+        assert max(policy.choices) <= 7 and policy.sequences == 1
     assert stats.num_ar_steps > 0 and stats.num_drafts > 0
     assert len(stats.drafted_per_position) == 7
 
@@ -208,21 +240,22 @@ def test_measure_costs_runs_only_the_measured_shapes_and_extends_the_slope():
     target = SlowMockTarget(vocab_size=32, seed=13)
     drafter = MockDrafter(target, block_size=8, error_rate=0.5)
     prompt = [1, 2, 3, 4, 5, 6]
-    step, draft = measure_costs(target, drafter, prompt, max_drafts=7, repetitions=3, measured_drafts=2)
+    step, draft, _ = measure_costs(target, drafter, prompt, max_drafts=7, repetitions=3, measured_drafts=2)
     assert len(step) == len(draft) == 8 and draft[0] == 0.0
     assert max(target.lengths[1:]) <= 3  # after the prompt: at most 2 drafts + the last token per verify
     slope = step[2] - step[1]
     assert step[7] == pytest.approx(step[2] + 5 * slope) and step[4] == pytest.approx(step[2] + 2 * slope)
     assert draft[7] == pytest.approx(draft[2] + 5 * (draft[2] - draft[1]))
     # one drafted point has no slope: flat
-    step1, draft1 = measure_costs(target, drafter, prompt, max_drafts=4, repetitions=1, measured_drafts=1)
+    step1, draft1, _ = measure_costs(target, drafter, prompt, max_drafts=4, repetitions=1, measured_drafts=1)
     assert step1[2:] == [step1[1]] * 3 and draft1[2:] == [draft1[1]] * 3
 
 
 def test_measure_costs_recovers_the_cost_curve_and_leaves_runners_reusable():
     target = SlowMockTarget(vocab_size=32, seed=13)
     drafter = MockDrafter(target, block_size=6, error_rate=0.5)
-    step, draft = measure_costs(target, drafter, [1, 2, 3, 4], max_drafts=5, repetitions=3)
+    step, draft, switch = measure_costs(target, drafter, [1, 2, 3, 4], max_drafts=5, repetitions=3)
+    assert switch == pytest.approx(0.0, abs=0.002)   # this mock costs the same after any shape
     assert len(step) == len(draft) == 6 and draft[0] == 0.0
     assert all(d > 0 for d in draft[1:])
     # 1 ms per extra token (the mock's numpy work and the scheduler add a little, never subtract)
@@ -232,6 +265,24 @@ def test_measure_costs_recovers_the_cost_curve_and_leaves_runners_reusable():
     prompt = [3, 1, 4]
     assert tokens(generate(target, drafter, prompt, 30, GREEDY, policy=policy)) == \
         tokens(generate(target, None, prompt, 30, GREEDY))
+
+
+class ShapeSwitchMockTarget(SlowMockTarget):
+    """SlowMockTarget plus 6 ms whenever the input length differs from the previous call's."""
+
+    def forward(self, token_ids, all_logits):
+        if self.lengths and self.lengths[-1] != len(token_ids):
+            time.sleep(0.006)
+        return super().forward(token_ids, all_logits)
+
+
+def test_measure_costs_separates_the_switch_cost_from_the_steady_costs():
+    target = ShapeSwitchMockTarget(vocab_size=32, seed=13)
+    drafter = MockDrafter(target, block_size=6, error_rate=0.5)
+    step, draft, switch = measure_costs(target, drafter, [1, 2, 3, 4], max_drafts=3, repetitions=4)
+    assert switch == pytest.approx(0.006, abs=0.003)
+    assert step[3] - step[0] == pytest.approx(0.003, abs=0.003)   # steady: 1 ms per token, no switch in it
+    assert step[0] == pytest.approx(0.003, abs=0.003)
 
 
 # ------------------------------------------------------------------ the real tiny OpenVINO pair

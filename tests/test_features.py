@@ -164,3 +164,34 @@ def test_distillation_on_top1_equals_the_greedy_loss(pair_and_data, tmp_path):
     assert len(used) >= 3 and all(r["kd_slots"] for r in logs[8] if r["hard_loss"])
     np.testing.assert_allclose([r["loss"] for r in logs[1]], [r["hard_loss"] for r in logs[1]], rtol=1e-4)
     assert max(abs(r["loss"] - r["hard_loss"]) for r in logs[8]) > 1e-3
+
+
+def test_next_token_scores_in_the_graph_equal_numpy_with_ties_in_id_order():
+    """The feature graph's `next_ids`/`next_logp`, ties put in id order on the host, are numpy's
+    ranking of the logits (ties towards the lower id, as the runtime's greedy argmax) and their
+    log-softmax values."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from ovdflash_export.features import add_next_token_scores, ties_in_id_order, top_k_log_probs
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(1, 5, 40)).astype(np.float32)
+    logits[0, 1, [7, 3, 30]] = logits[0, 1].max() + 1.0      # a three-way tie at the top
+    logits[0, 2, [12, 25]] = logits[0, 2].max() + 0.5        # a two-way tie
+    logits[0, 3, :4] = logits[0, 3].max() + 2.0              # a four-way tie, as wide as K
+    x = ops.parameter([1, 5, 40], ov.Type.f32, name="x")
+    y = ops.multiply(x, ops.constant(np.float32(1.0)))
+    res = ops.result(y)
+    res.output(0).get_tensor().set_names({"logits"})
+    model = ov.Model([res], [x])
+    add_next_token_scores(model, 4)
+    assert sorted(n for o in model.outputs for n in o.get_names()) == ["next_ids", "next_logp"]
+    out = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}).create_infer_request().infer(
+        {"x": logits})
+    want_ids, want_logp = top_k_log_probs(logits[0], 4)
+    got_ids, got_logp = ties_in_id_order(out["next_ids"][0], out["next_logp"][0])
+    assert np.array_equal(got_ids, want_ids.astype(np.int64))
+    assert list(got_ids[1, :3]) == [3, 7, 30] and list(got_ids[3]) == [0, 1, 2, 3]
+    assert np.array_equal(got_ids[:, 0], logits[0].argmax(-1))
+    np.testing.assert_allclose(got_logp, want_logp.astype(np.float32), atol=2e-3)

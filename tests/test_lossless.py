@@ -14,6 +14,7 @@ near-tie argmax can flip. f32 or f16 KV removes it. (This host's CPU has no bf16
 hint silently compiles as f32 here.)
 """
 import numpy as np
+import openvino as ov
 import pytest
 
 from ovdflash import STRICT_F32, DFlashPipeline
@@ -120,3 +121,16 @@ def test_default_precision_divergence_report(tiny_pair, tmp_path_factory, config
           f"compactions {pipe.target.num_compactions}")
     assert pipe.target.num_compactions > 0
     assert all(m < 0.25 for m in margins), margins
+
+
+def test_drafter_compiles_without_dynamic_quantization_unless_told(tiny_pair, tmp_path_factory):
+    """ov_models.DRAFTER_DEFAULTS: the drafter alone drops dynamic quantization (cheaper for its
+    few rows per call); the target keeps the plugin's choice; a user's setting wins for both."""
+    cache = tmp_path_factory.mktemp("ov_cache_dq")
+    key = "DYNAMIC_QUANTIZATION_GROUP_SIZE"
+    pipe = DFlashPipeline.from_pretrained(tiny_pair, cache_dir=cache)
+    plugin_default = int(ov.Core().get_property("CPU", key))
+    assert int(pipe.drafter.compiled.get_property(key)) == 0
+    assert int(pipe.target.compiled.get_property(key)) == plugin_default != 0
+    told = DFlashPipeline.from_pretrained(tiny_pair, cache_dir=cache, **{key: "64"})
+    assert int(told.drafter.compiled.get_property(key)) == int(told.target.compiled.get_property(key)) == 64

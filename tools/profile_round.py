@@ -265,6 +265,7 @@ def main():
                                 prior_acceptance=p, prior_strength=1e9)  # draft cost is in round_cost_s
             picks[str(p)] = probe.choose(policy.max_drafts)
         report("policy", {"round_ms_by_drafts": [round(1e3 * c, 2) for c in policy.round_cost_s],
+                          "switch_ms": round(1e3 * policy.switch_cost_s, 2),
                           "drafts_chosen_by_acceptance": picks})
     result["foreign_cores_whole_run"] = round(meter.foreign_cores(started), 2)
     print("foreign cores (other processes) during the whole run:", result["foreign_cores_whole_run"])
