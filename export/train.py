@@ -20,7 +20,9 @@ Contract:
 - Two deviations that keep the saved checkpoint standard (drafter_feasibility.md §2):
   * the CE softmax runs over the token ids that occur in the training data plus
     `num_negatives` random other ids per step (keeps the rest of the vocabulary pushed down, so
-    the full-vocabulary argmax used at inference stays safe);
+    the full-vocabulary argmax used at inference stays safe); with `ce_vocab_size` N, over the
+    N ids the target's responses use most and nothing else: exactly the draft vocabulary the
+    runtime's head applies (labels outside it are skipped: no draft can be them);
   * each target layer's features are divided by their median token RMS before `fc`; the scale
     is folded into `fc.weight` when saving, so the checkpoint takes raw features.
 - Resumable and deterministic: batches and anchors at step t come from RNG seeded (seed, t), and
@@ -103,6 +105,10 @@ class TrainConfig:
     # trains over the whole subset. Measured on run 4 (TRAINING.md): 3,000 of its 10,781 ids, and
     # the full 49,152, accept the same tokens; a smaller head makes every draft call cheaper.
     draft_vocab_size: int | None = None
+    # the CE subset itself: the N most used ids of the train responses (recomputed when the data
+    # grows), no negatives, and the draft vocabulary written is this set. Trains the head the
+    # runtime applies, and the head GEMM, ~1/3 of a step's FLOPs over 12k ids, shrinks with it.
+    ce_vocab_size: int | None = None
     init_from: str | None = None     # warm start: a z-lab checkpoint directory (weights only, new optimizer)
     device: str = "auto"
     threads: int | None = None
@@ -560,6 +566,8 @@ def evaluate(drafter, seqs, idxs, store, target, cfg, feat_scale, vocab_ids, rem
 def train(cfg: TrainConfig, log=print) -> Path:
     if cfg.kd_weight > 0 and not cfg.features_root:
         raise ValueError("kd_weight > 0 needs features_root: soft labels come from precomputed top-k features")
+    if cfg.ce_vocab_size and not cfg.vocab_subset:
+        raise ValueError("ce_vocab_size needs vocab_subset: it chooses the subset's size")
     device = pick_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -572,8 +580,9 @@ def train(cfg: TrainConfig, log=print) -> Path:
         # the run's identity (geometry, data, schedule) comes from the checkpoint
         saved = resume["train_config"]
         for k in ("num_layers", "block_size", "target_layer_ids", "num_features", "mask_token_id",
-                  "anchors_per_seq", "batch_seqs", "max_len", "seed", "gamma", "vocab_subset", "feature_scaling"):
-            setattr(cfg, k, saved[k])
+                  "anchors_per_seq", "batch_seqs", "max_len", "seed", "gamma", "vocab_subset", "feature_scaling",
+                  "ce_vocab_size"):
+            setattr(cfg, k, saved.get(k, getattr(cfg, k)))
 
     tcfg = json.loads((Path(cfg.target) / "config.json").read_text())
     n_target = int(tcfg["num_hidden_layers"])
@@ -665,7 +674,9 @@ def train(cfg: TrainConfig, log=print) -> Path:
         inv_scale = resume["inv_scale"]
     else:
         vocab_ids = None
-        if cfg.vocab_subset:
+        if cfg.vocab_subset and cfg.ce_vocab_size:
+            vocab_ids = most_used_ids(own_responses(seqs, train_idx), cfg.ce_vocab_size)
+        elif cfg.vocab_subset:
             vocab_ids = used_vocab(seqs, train_idx)
             init_vocab = Path(cfg.init_from or "") / DRAFT_VOCAB_NAME
             if cfg.init_from and init_vocab.is_file():
@@ -748,8 +759,10 @@ def train(cfg: TrainConfig, log=print) -> Path:
             if isinstance(store, PrecomputedStore):
                 store.bind(seqs)
             if vocab_ids is not None:
-                # the CE subset may only grow (it holds no parameters, only which logits are scored)
-                vocab_ids = torch.unique(torch.cat([vocab_ids.cpu(), used_vocab(seqs, train_idx)])).to(device)
+                # it holds no parameters, only which logits are scored: a fixed-size subset is
+                # recounted, an open one only grows
+                vocab_ids = (most_used_ids(own_responses(seqs, train_idx), cfg.ce_vocab_size) if cfg.ce_vocab_size
+                             else torch.unique(torch.cat([vocab_ids.cpu(), used_vocab(seqs, train_idx)]))).to(device)
                 remap, outside_ids = vocab_tables(vocab_ids)
             if len(seqs) != n_before:
                 log(f"reloaded data: {len(seqs)} sequences ({len(train_idx)} train), vocab subset "
@@ -764,7 +777,7 @@ def train(cfg: TrainConfig, log=print) -> Path:
                             feat_scale=feat_scale, device=device, soft=cfg.kd_weight > 0)
         ids = vocab_ids
         step_remap = remap
-        if vocab_ids is not None and cfg.num_negatives and outside_ids.numel():
+        if vocab_ids is not None and cfg.num_negatives and not cfg.ce_vocab_size and outside_ids.numel():
             neg = outside_ids[torch.from_numpy(rng.choice(outside_ids.numel(), size=min(cfg.num_negatives,
                                                           outside_ids.numel()), replace=False))].to(device)
             ids = torch.cat([vocab_ids, neg])

@@ -63,11 +63,15 @@ def _ids(text):
 @click.option("--draft-vocab-size", type=click.IntRange(min=1), default=None,
               help="Write a draft vocabulary of the N ids the target's responses use most (default: every id "
                    "the CE trained over); the drafter's head at run time has these rows only.")
+@click.option("--ce-vocab-size", type=click.IntRange(min=1), default=None,
+              help="Score only the N ids the target's responses use most (no negatives): the CE and "
+                   "distillation train exactly the head the runtime applies, which is written as the draft "
+                   "vocabulary; a smaller head also makes each step cheaper.")
 @click.option("--evaluate-only", is_flag=True, help="Only print the tau estimate of the checkpoint in --out on --eval-data.")
 def train(target, data_dirs, eval_dirs, out_dir, state_dir, layers, block_size, target_layer_ids, num_features, mask_token_id,
           anchors, batch_seqs, max_len, lr, warmup_steps, max_steps, minutes, gamma, num_negatives, no_vocab_subset,
           no_feature_scaling, val_every, new_per_step, reload_every, save_every_s, feature_cache_gb, seed, device, threads, init_from, no_relabel, features_root, kd_weight, draft_vocab_size,
-          evaluate_only):
+          ce_vocab_size, evaluate_only):
     """Distill a DFlash drafter for a target model."""
     try:
         from ovdflash_export.train import TrainConfig, evaluate_checkpoint
@@ -94,8 +98,10 @@ def train(target, data_dirs, eval_dirs, out_dir, state_dir, layers, block_size, 
                       save_every_s=save_every_s,
                       feature_cache_gb=feature_cache_gb, seed=seed, device=device, threads=threads,
                       init_from=init_from, relabel=not no_relabel, features_root=features_root, kd_weight=kd_weight,
-                      draft_vocab_size=draft_vocab_size)
+                      draft_vocab_size=draft_vocab_size, ce_vocab_size=ce_vocab_size)
     if kd_weight > 0 and not features_root:
         raise click.UsageError("--kd-weight needs --features (soft labels come from precomputed top-k)")
+    if ce_vocab_size and no_vocab_subset:
+        raise click.UsageError("--ce-vocab-size sets the size of the vocab subset: drop --no-vocab-subset")
     out = run_training(cfg, log=lambda s: click.echo(s, err=True))
     click.echo(str(out))

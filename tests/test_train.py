@@ -261,6 +261,33 @@ def test_draft_vocab_size_keeps_the_most_used_ids_and_the_full_ce(tiny_setup):
     assert vocab == sorted(ranked[:10])
 
 
+def test_ce_vocab_size_scores_only_the_most_used_ids_and_ships_them(tiny_setup, monkeypatch):
+    import ovdflash_export.train as train_mod
+
+    target, data, root = tiny_setup
+    out = root / "run_ce_vocab"
+    scored = []
+    real_ce = train_mod.weighted_ce
+    monkeypatch.setattr(train_mod, "weighted_ce",
+                        lambda h, labels, w, weights, ids=None, remap=None: scored.append(len(ids)) or
+                        real_ce(h, labels, w, weights, ids, remap))
+    cfg = _cfg(target, data, out, max_steps=3, ce_vocab_size=10)
+    train(cfg, log=lambda s: None)
+    seqs = load_sequences(data)
+    train_idx, _ = split_train_val(seqs, cfg.val_fraction, cfg.seed)
+    counts = np.zeros(VOCAB, dtype=np.int64)
+    for i in train_idx:
+        np.add.at(counts, seqs[i].tokens[seqs[i].prompt_len:], 1)
+    top10 = sorted(sorted(np.nonzero(counts)[0].tolist(), key=lambda t: (-counts[t], t))[:10])
+    state = torch.load(out / STATE_NAME, weights_only=False)
+    assert state["vocab_ids"].tolist() == top10 == json.loads((out / "draft_vocab.json").read_text())
+    assert scored[:3] == [10, 10, 10]          # no negatives on top of the subset
+    assert all(np.isfinite(_losses(out)))      # labels outside the subset are skipped, not NaN
+    with pytest.raises(ValueError, match="vocab_subset"):
+        train(_cfg(target, data, root / "run_ce_bad", max_steps=1, ce_vocab_size=10, vocab_subset=False),
+              log=lambda s: None)
+
+
 def test_distillation_without_precomputed_features_is_refused(tiny_setup, tmp_path):
     target, data, _ = tiny_setup
     with pytest.raises(ValueError, match="features_root"):
