@@ -1,7 +1,7 @@
 """Profile a DFlash round and the autoregressive baselines on one model directory.
 
 Usage: python tools/profile_round.py MODEL_DIR [--reps 7] [--tokens 128] [--out profile.json]
-       [--sections verify,drafter,round,ar,knobs,loop,policy] [--config '{"INFERENCE_NUM_THREADS": 1}']
+       [--sections verify,drafter,round,ar,knobs,loop,policy,switch] [--config '{"INFERENCE_NUM_THREADS": 1}']
 
 --config: extra compile properties for every section (the knobs section overrides its own).
 
@@ -21,7 +21,11 @@ reported, because the machine is shared and noisy):
   loop    - our AR tok/s with each inference as infer() against start_async()+wait()
             (ov_models.run_request), and openvino.genai's AR, interleaved.
   policy  - the automatic block size: its measured round costs (ms per k drafts, k = 0 is an
-            AR step) and the k it picks for a drafter with conditional acceptance 0.1 .. 0.9.
+            AR step), its switch cost, and the k it picks for a drafter with conditional
+            acceptance 0.1 .. 0.9.
+  switch  - the cost of changing the target's input length: ms of a forward of T tokens
+            (+ commit(1)) when every call has T tokens, against calls alternating T=1 with
+            T=2 or T=4, after a 100- and a 1000-token context.
 """
 from __future__ import annotations
 
@@ -94,6 +98,27 @@ def verify_curve(pipe, prompt, reps, ks=(1, 2, 4, 8, 16)):
                 target.commit(1)
             times[k].append(1e3 * (time.perf_counter() - t0) / 3)
     return {str(k): med(v) for k, v in times.items()}
+
+
+def switch_costs(pipe, reps, contexts=(100, 1000), calls=24):
+    """ms per target forward by input length, in runs of one length vs runs alternating lengths."""
+    target, rng = pipe.target, np.random.default_rng(0)
+    patterns = {"1": [1], "2": [2], "4": [4], "1/2": [1, 2], "1/4": [1, 4]}
+    times = {(c, name, k): [] for c in contexts for name, pat in patterns.items() for k in set(pat)}
+    for rep in range(reps):
+        for context in contexts:
+            for name, pattern in patterns.items():
+                target.reset()
+                target.forward(rng.integers(100, 1000, context).astype(np.int64), all_logits=False)
+                target.commit(context)
+                for i in range(calls):
+                    k = pattern[i % len(pattern)]
+                    t0 = time.perf_counter()
+                    target.forward(rng.integers(100, 1000, k).astype(np.int64), all_logits=True)
+                    target.commit(1)
+                    if i >= 2:  # the first calls follow the prefill's shape
+                        times[(context, name, k)].append(1e3 * (time.perf_counter() - t0))
+    return {f"context {c}, lengths {name}, T={k}": med(v) for (c, name, k), v in times.items()}
 
 
 def drafter_times(pipes, manifest, prompt, reps, blocks=(8, 16)):
@@ -267,6 +292,8 @@ def main():
         report("policy", {"round_ms_by_drafts": [round(1e3 * c, 2) for c in policy.round_cost_s],
                           "switch_ms": round(1e3 * policy.switch_cost_s, 2),
                           "drafts_chosen_by_acceptance": picks})
+    if "switch" in sections:
+        report("switch_ms", switch_costs(pipe, max(2, args.reps // 3)))
     result["foreign_cores_whole_run"] = round(meter.foreign_cores(started), 2)
     print("foreign cores (other processes) during the whole run:", result["foreign_cores_whole_run"])
     if args.out:
