@@ -20,6 +20,10 @@ Contract:
   Resumable: rows are appended after their arrays; on start the arrays are cut to the last
   indexed row and sequences already present are skipped. Data directories only ever grow, so
   re-running picks up new sequences. K is fixed once set (0 -> K pads, K -> another K is an error).
+- `fill_topk(model_dir, data_dir, out_dir, ...)` computes the top-k rows of the sequences stored
+  without them (flagged false) in place, and flags them; features and predictions are left as
+  they are. Resumable: the index is rewritten (atomically) every few sequences, and a sequence
+  whose flag was not yet written is simply computed again.
 - `FeatureFile(out_dir)` reads it back (memory-mapped): `lookup(offset, length) -> (feats f16
   [length, F], preds [length]) | None`; `lookup_topk(offset, length) -> (ids [length, K], logp
   [length, K]) | None`. Training (`train.PrecomputedStore`) uses it instead of
@@ -231,6 +235,61 @@ def precompute_features(model_dir, data_dir, out_dir, max_len: int = 768, config
     return {"sequences": len(read_index(out_dir)), "rows": end, "new_tokens": n_tok, "seconds": round(seconds, 1)}
 
 
+def fill_topk(model_dir, data_dir, out_dir, config: dict | None = None, deadline: float | None = None,
+              log=print, checkpoint_every: int = 25) -> dict:
+    """Write the missing top-k rows of `out_dir` (a feature directory with K > 0) in place."""
+    model_dir, data_dir, out_dir = Path(model_dir), Path(data_dir), Path(out_dir)
+    ff = FeatureFile(out_dir)
+    if not ff.topk:
+        raise ValueError(f"{out_dir} stores no top-k (meta topk 0): run the feature pass with --topk first")
+    by_offset = {r["offset"]: r for r in read_index(data_dir)}
+    index = read_index(out_dir)
+    todo = [r for r in index if not r.get("topk") and r["offset"] in by_offset]
+    log(f"{len(todo)} sequences without top-k in {out_dir}")
+    if not todo:
+        return {"filled": 0, "tokens": 0, "seconds": 0.0}
+    compiled, _, _ = _open_target(model_dir, config, ff.topk)
+    request = compiled.create_infer_request()
+    ids_out, logp_out = compiled.output("next_ids"), compiled.output("next_logp")
+    tokens = np.fromfile(data_dir / "tokens.bin", dtype=np.uint16)
+    n = ff.feats.shape[0]
+    top_ids = np.memmap(out_dir / TOPK_IDS, dtype=np.uint16, mode="r+", shape=(n, ff.topk))
+    top_logp = np.memmap(out_dir / TOPK_LOGP, dtype=np.float16, mode="r+", shape=(n, ff.topk))
+
+    def save_index():
+        top_ids.flush()
+        top_logp.flush()
+        tmp = out_dir / (INDEX + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in index))
+        os.replace(tmp, out_dir / INDEX)
+
+    t0, n_tok, filled = time.time(), 0, 0
+    for r in todo:
+        if deadline is not None and time.time() > deadline:
+            break
+        L, row = r["len"], r["row"]
+        ids = tokens[r["offset"]:r["offset"] + L].astype(np.int64)
+        first = max(min(by_offset[r["offset"]]["prompt_len"], L) - 1, 0)
+        request.reset_state()
+        run_request(request, {"input_ids": ids[None], "attention_mask": np.ones((1, L), dtype=np.int64),
+                              "position_ids": np.arange(L, dtype=np.int64)[None], "beam_idx": np.zeros(1, np.int32),
+                              "logits_indices": np.arange(first, L, dtype=np.int64)})
+        next_ids, next_logp = ties_in_id_order(request.get_tensor(ids_out).data[0],
+                                               request.get_tensor(logp_out).data[0])
+        top_ids[row + first:row + L] = next_ids
+        top_logp[row + first:row + L] = next_logp
+        r["topk"] = True
+        filled += 1
+        n_tok += L
+        if filled % checkpoint_every == 0:
+            save_index()
+            log(f"[{filled}/{len(todo)}] {n_tok} tokens, {n_tok / (time.time() - t0):.0f} tok/s")
+    save_index()
+    seconds = time.time() - t0
+    log(f"filled top-k of {filled} sequences: {n_tok} tokens in {seconds:.0f} s")
+    return {"filled": filled, "tokens": n_tok, "seconds": round(seconds, 1)}
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -242,9 +301,17 @@ if __name__ == "__main__":
     ap.add_argument("--minutes", type=float, default=None)
     ap.add_argument("--topk", type=int, default=0,
                     help="also store the K most likely next tokens and their log-probabilities (soft labels)")
+    ap.add_argument("--fill-topk", action="store_true",
+                    help="then compute the top-k of sequences stored without it (in place)")
     a = ap.parse_args()
     stop = time.time() + a.minutes * 60 if a.minutes else None
+
+    def say(line):
+        print(line, flush=True)
+
     for d in a.data:
         sub = Path(a.out) / Path(d).resolve().name
-        print(json.dumps(precompute_features(a.model, d, sub, a.max_len, deadline=stop,
-                                             log=lambda s: print(s, flush=True), topk=a.topk)), flush=True)
+        print(json.dumps(precompute_features(a.model, d, sub, a.max_len, deadline=stop, log=say, topk=a.topk)),
+              flush=True)
+        if a.fill_topk:
+            print(json.dumps(fill_topk(a.model, d, sub, deadline=stop, log=say)), flush=True)

@@ -34,11 +34,12 @@ Contract:
   about 2-3 AR steps (a drafter catch-up over the skipped context, a verify of a new shape),
   so a drafter that stays bad is probed ever more rarely; choosing to draft resets the wait.
 - `measure_costs(target, drafter, prompt_ids, max_drafts, measured_drafts=None)` measures the two
-  cost curves and the switch cost with real rounds of the engine (so the costs include accept, commit and the Python
-  around them) for k = 0..measured_drafts and extends them linearly to max_drafts: every input
-  shape a compiled model has run keeps CPU-plugin memory (SmolLM2 int8: calibrating k = 0..7 cost
-  ~60 MB more than 0..2), and a verify costs about the same per extra token; a longer block is
-  then first run only when the policy picks it, and `observe_round` corrects its estimate.
+  cost curves and the switch cost with real rounds of the engine (so the costs include accept,
+  commit and the Python around them) for k = 0..measured_drafts and extends the curves linearly
+  to max_drafts: every input shape a compiled model has run keeps CPU-plugin memory (SmolLM2
+  int8: calibrating k = 0..7 cost ~60 MB more than 0..2), and a verify costs about the same per
+  extra token; a longer block is then first run only when the policy picks it, and
+  `observe_round` corrects its estimate.
 Any policy only changes how many tokens are verified, never which are kept: output stays
 identical to autoregressive decoding (greedy) or distributed as it (sampling).
 Pure python/numpy: no OpenVINO here.

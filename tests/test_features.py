@@ -7,7 +7,7 @@ import torch
 
 from ovdflash import STRICT_F32
 from ovdflash_export.data import ShardWriter, load_sequences
-from ovdflash_export.features import FEATS, INDEX, FeatureFile, precompute_features
+from ovdflash_export.features import FEATS, INDEX, TOPK_IDS, TOPK_LOGP, FeatureFile, fill_topk, precompute_features
 from ovdflash_export.train import FeatureStore, FrozenTarget, PrecomputedStore, TrainConfig, train
 
 
@@ -195,3 +195,33 @@ def test_next_token_scores_in_the_graph_equal_numpy_with_ties_in_id_order():
     assert list(got_ids[1, :3]) == [3, 7, 30] and list(got_ids[3]) == [0, 1, 2, 3]
     assert np.array_equal(got_ids[:, 0], logits[0].argmax(-1))
     np.testing.assert_allclose(got_logp, want_logp.astype(np.float32), atol=2e-3)
+
+
+def test_fill_topk_completes_old_sequences_in_place_as_a_fresh_pass_would(pair_and_data, tmp_path):
+    """Two sequences stored without top-k, two with: fill_topk writes the first two's rows (and
+    flags them) exactly as a pass with top-k from the start, leaves every other byte alone, and
+    a second call has nothing to do."""
+    model_dir, _ = pair_and_data
+    data = tmp_path / "data"
+    _write(data, 2, seed=6)
+    mixed, fresh = tmp_path / "mixed", tmp_path / "fresh"
+    precompute_features(model_dir, data, mixed, config=STRICT_F32, log=lambda s: None)
+    _write(data, 2, seed=7)
+    precompute_features(model_dir, data, mixed, config=STRICT_F32, log=lambda s: None, topk=8)
+    precompute_features(model_dir, data, fresh, config=STRICT_F32, log=lambda s: None, topk=8)
+    before = {name: (mixed / name).read_bytes() for name in (FEATS, "preds.u16", TOPK_IDS)}
+    plain = tmp_path / "plain"   # a directory that never had top-k cannot be filled
+    precompute_features(model_dir, data, plain, config=STRICT_F32, log=lambda s: None)
+    with pytest.raises(ValueError, match="top-k"):
+        fill_topk(model_dir, data, plain, config=STRICT_F32, log=lambda s: None)
+    summary = fill_topk(model_dir, data, mixed, config=STRICT_F32, log=lambda s: None, checkpoint_every=1)
+    assert summary["filled"] == 2
+    assert (mixed / FEATS).read_bytes() == before[FEATS] and (mixed / "preds.u16").read_bytes() == before["preds.u16"]
+    assert (mixed / TOPK_IDS).read_bytes() != before[TOPK_IDS]
+    for name in (TOPK_IDS, TOPK_LOGP):
+        assert (mixed / name).read_bytes() == (fresh / name).read_bytes()
+    assert all(r["topk"] for r in (json.loads(line) for line in open(mixed / INDEX)))
+    assert fill_topk(model_dir, data, mixed, config=STRICT_F32, log=lambda s: None)["filled"] == 0
+    ff = FeatureFile(mixed)
+    assert all(ff.lookup_topk(s.offset, len(s.tokens)) is not None for s in load_sequences(data))
+
