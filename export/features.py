@@ -136,6 +136,21 @@ def ties_in_id_order(ids: np.ndarray, logp: np.ndarray) -> tuple[np.ndarray, np.
     return np.take_along_axis(ids, order, -1), np.take_along_axis(logp, order, -1)
 
 
+def score_sequence(request, ids: np.ndarray, first: int):
+    """One prefill of `ids` from an empty cache on a request of the `_open_target` graph. Returns
+    (features [L, F] f32, next ids [L-first, K], their log-probabilities [L-first, K]) for
+    positions first..L-1, ties in id order; the arrays are the request's own (valid until its
+    next call) or fresh."""
+    L = ids.size
+    request.reset_state()
+    run_request(request, {"input_ids": ids[None], "attention_mask": np.ones((1, L), dtype=np.int64),
+                          "position_ids": np.arange(L, dtype=np.int64)[None], "beam_idx": np.zeros(1, np.int32),
+                          "logits_indices": np.arange(first, L, dtype=np.int64)})
+    next_ids, next_logp = ties_in_id_order(request.get_tensor("next_ids").data[0],
+                                           request.get_tensor("next_logp").data[0])
+    return request.get_tensor("target_hidden").data[0], next_ids, next_logp
+
+
 def _open_target(model_dir: Path, config: dict | None, k: int):
     """The runtime's target graph (ov_models / graphs.target_for_runtime, runtime compile settings
     + config) with its next-token scores computed in the graph (add_next_token_scores)."""
@@ -192,8 +207,6 @@ def precompute_features(model_dir, data_dir, out_dir, max_len: int = 768, config
 
     tokens = np.fromfile(data_dir / "tokens.bin", dtype=np.uint16)
     request = compiled.create_infer_request()
-    ids_out, logp_out, hidden_out = (compiled.output(n) for n in ("next_ids", "next_logp", "target_hidden"))
-    beam = np.zeros(1, dtype=np.int32)
     todo = [r for r in rows if r["offset"] not in have and r["offset"] + r["total_len"] <= tokens.size]
     log(f"{len(todo)} sequences to run ({len(have)} already stored) from {data_dir}")
     t0, n_tok = time.time(), 0
@@ -206,15 +219,10 @@ def precompute_features(model_dir, data_dir, out_dir, max_len: int = 768, config
             ids = tokens[r["offset"]:r["offset"] + r["total_len"]][:max_len].astype(np.int64)
             L = ids.size
             first = max(min(r["prompt_len"], L) - 1, 0)  # labels need preds from the last prompt position on
-            request.reset_state()
-            run_request(request, {"input_ids": ids[None], "attention_mask": np.ones((1, L), dtype=np.int64),
-                                  "position_ids": np.arange(L, dtype=np.int64)[None], "beam_idx": beam,
-                                  "logits_indices": np.arange(first, L, dtype=np.int64)})
-            next_ids, next_logp = ties_in_id_order(request.get_tensor(ids_out).data[0],
-                                                   request.get_tensor(logp_out).data[0])
+            feats, next_ids, next_logp = score_sequence(request, ids, first)
             preds = np.zeros(L, dtype=np.uint16)
             preds[first:] = next_ids[:, 0]
-            out = {FEATS: request.get_tensor(hidden_out).data[0].astype(np.float16), PREDS: preds}
+            out = {FEATS: feats.astype(np.float16), PREDS: preds}
             if topk:
                 out[TOPK_IDS] = np.zeros((L, topk), dtype=np.uint16)
                 out[TOPK_LOGP] = np.zeros((L, topk), dtype=np.float16)
@@ -250,7 +258,6 @@ def fill_topk(model_dir, data_dir, out_dir, config: dict | None = None, deadline
         return {"filled": 0, "tokens": 0, "seconds": 0.0}
     compiled, _, _ = _open_target(model_dir, config, ff.topk)
     request = compiled.create_infer_request()
-    ids_out, logp_out = compiled.output("next_ids"), compiled.output("next_logp")
     tokens = np.fromfile(data_dir / "tokens.bin", dtype=np.uint16)
     n = ff.feats.shape[0]
     top_ids = np.memmap(out_dir / TOPK_IDS, dtype=np.uint16, mode="r+", shape=(n, ff.topk))
@@ -270,12 +277,7 @@ def fill_topk(model_dir, data_dir, out_dir, config: dict | None = None, deadline
         L, row = r["len"], r["row"]
         ids = tokens[r["offset"]:r["offset"] + L].astype(np.int64)
         first = max(min(by_offset[r["offset"]]["prompt_len"], L) - 1, 0)
-        request.reset_state()
-        run_request(request, {"input_ids": ids[None], "attention_mask": np.ones((1, L), dtype=np.int64),
-                              "position_ids": np.arange(L, dtype=np.int64)[None], "beam_idx": np.zeros(1, np.int32),
-                              "logits_indices": np.arange(first, L, dtype=np.int64)})
-        next_ids, next_logp = ties_in_id_order(request.get_tensor(ids_out).data[0],
-                                               request.get_tensor(logp_out).data[0])
+        _, next_ids, next_logp = score_sequence(request, ids, first)
         top_ids[row + first:row + L] = next_ids
         top_logp[row + first:row + L] = next_logp
         r["topk"] = True

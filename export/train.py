@@ -652,6 +652,14 @@ def train(cfg: TrainConfig, log=print) -> Path:
             used[response] = True
         return torch.from_numpy(np.nonzero(used)[0])
 
+    def ce_subset(seqs, idxs, keep=None):
+        # it holds no parameters, only which logits are scored: a fixed-size subset is recounted
+        # from the data, an open one is every used id and only grows (keeps `keep`)
+        if cfg.ce_vocab_size:
+            return most_used_ids(own_responses(seqs, idxs), cfg.ce_vocab_size)
+        used = used_vocab(seqs, idxs)
+        return used if keep is None else torch.unique(torch.cat([keep.cpu(), used]))
+
     def vocab_tables(ids):
         remap = torch.full((vocab,), -100, dtype=torch.long, device=device)
         remap[ids] = torch.arange(ids.numel(), device=device)
@@ -674,13 +682,11 @@ def train(cfg: TrainConfig, log=print) -> Path:
         inv_scale = resume["inv_scale"]
     else:
         vocab_ids = None
-        if cfg.vocab_subset and cfg.ce_vocab_size:
-            vocab_ids = most_used_ids(own_responses(seqs, train_idx), cfg.ce_vocab_size)
-        elif cfg.vocab_subset:
-            vocab_ids = used_vocab(seqs, train_idx)
+        if cfg.vocab_subset:
             init_vocab = Path(cfg.init_from or "") / DRAFT_VOCAB_NAME
-            if cfg.init_from and init_vocab.is_file():
-                vocab_ids = torch.unique(torch.cat([vocab_ids, torch.tensor(json.loads(init_vocab.read_text()))]))
+            keep = (torch.tensor(json.loads(init_vocab.read_text())) if cfg.init_from and init_vocab.is_file()
+                    else None)
+            vocab_ids = ce_subset(seqs, train_idx, keep)
         inv_scale = None
         if cfg.feature_scaling:
             probe = train_idx[: min(16, len(train_idx))]
@@ -759,10 +765,7 @@ def train(cfg: TrainConfig, log=print) -> Path:
             if isinstance(store, PrecomputedStore):
                 store.bind(seqs)
             if vocab_ids is not None:
-                # it holds no parameters, only which logits are scored: a fixed-size subset is
-                # recounted, an open one only grows
-                vocab_ids = (most_used_ids(own_responses(seqs, train_idx), cfg.ce_vocab_size) if cfg.ce_vocab_size
-                             else torch.unique(torch.cat([vocab_ids.cpu(), used_vocab(seqs, train_idx)]))).to(device)
+                vocab_ids = ce_subset(seqs, train_idx, vocab_ids).to(device)
                 remap, outside_ids = vocab_tables(vocab_ids)
             if len(seqs) != n_before:
                 log(f"reloaded data: {len(seqs)} sequences ({len(train_idx)} train), vocab subset "

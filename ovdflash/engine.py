@@ -18,8 +18,9 @@ Contract:
 - With no drafter (or draft=False) it is plain autoregressive decoding on the same target and
   the same sampling function: the baseline that greedy DFlash must match token for token.
 - With a `policy` (`block_policy.BlockPolicy` or anything with `begin_sequence()`,
-  `choose(max_drafts) -> k`, `observe_round(drafted, accepted, seconds)`), each round verifies the k drafts it chooses, up
-  to block_size - 1; k = 0 is an AR step that still feeds the drafter's context. Every round and
+  `choose(max_drafts) -> k`, `observe_round(drafted, accepted, seconds)`), each round verifies
+  the k drafts it chooses, up to block_size - 1; k = 0 is an AR step that still feeds the
+  drafter's context; `begin_sequence()` is called after each prefill. Every round and
   step it chose is reported back with its wall time. Only the number of verified tokens
   changes, so output is the same as with any fixed block.
 """
