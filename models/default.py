@@ -20,10 +20,15 @@ from .fetch import building_dir, cache_root, fetch_smollm2
 SHIPPED_DRAFTER = Path(__file__).resolve().parent / "smollm2_dflash"
 EXPORT_DIRNAME = "smollm2-135m-dflash-ov"
 STAMP_NAME = "ovdflash_default.json"
-# int8 weights: 4x smaller than f32 with no measurable quality change on SmolLM2 (bf16 *compute* is
-# what hurts it; the runtime compiles it with an f32 inference hint). The drafter too: int8 saved
-# 23 MB of resident memory and accepted as many tokens as f32 (docs/BENCHMARKS.md, run-4 drafter).
-TARGET_WEIGHT_FORMAT = "int8"
+# Target fp16 weights: on the 2-core AVX2 machine the CPU plugin runs the 2-4-token verify
+# forwards of an fp16 target 10-17 % faster than int8's (T=2/3/4: 29.0/33.9/40.0 against
+# 32.4/40.4/48.1 ms), 1-token steps as fast, and our AR +10 %, dflash@2-4 +16-21 % tokens/s, side
+# by side (`tools/profile_round.py --sections weights`, docs/BENCHMARKS.md session 7); it costs
+# ~250-350 MB more resident memory. bf16 *compute* is what hurts SmolLM2; the runtime compiles it
+# with an f32 inference hint, and an fp16 target without the compile cache (ov_models.FP16_UNCACHED).
+# The drafter stays int8: it saved 23 MB of resident memory and accepted as many tokens as f32
+# (docs/BENCHMARKS.md, run-4 drafter).
+TARGET_WEIGHT_FORMAT = "fp16"
 DRAFTER_WEIGHT_FORMAT = "int8"
 # part of the export's fingerprint: bump it when the exported graphs change (2: GQA attention
 # without the K/V broadcast), so a cached default model is exported again

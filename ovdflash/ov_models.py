@@ -3,7 +3,7 @@
 Contract:
 - `compile_runners(model_dir, manifest, device, config, with_drafter)` reads the saved IRs,
   applies `graphs.drafter_for_runtime` / `graphs.target_for_runtime`, compiles with CACHE_DIR
-  set, and returns (OVTarget, OVDrafter | None). The drafter gets `DRAFTER_DEFAULTS` under
+  set (except for a target with fp16 weights: `FP16_UNCACHED`), and returns (OVTarget, OVDrafter | None). The drafter gets `DRAFTER_DEFAULTS` under
   `config` (a key set in `config` wins). When `drafter/draft_vocab.json` exists (and
   `use_draft_vocab`), the drafter's head is restricted to that draft vocabulary.
 - `OVTarget` implements `engine.TargetRunner` on the stateful target. Rollback is mask-based:
@@ -32,6 +32,12 @@ from . import graphs
 # drafter, 2 cores, 300-token context: 2.78 against 3.11 ms a call with 1 draft, 3.38 against 3.60
 # with 3). Only the proposals can change, never the output: the target verifies every draft.
 DRAFTER_DEFAULTS = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
+
+# A target with fp16 weights is compiled without CACHE_DIR: the CPU plugin (2026.4) runs an fp16 model
+# imported from its compile cache much slower than the freshly compiled one (SmolLM2-135M, 2 cores:
+# a 1-token step 45 against 28 ms, a 4-token verify 55 against 43 ms, and 950 against 720 MB
+# resident; CACHE_MODE=OPTIMIZE_SIZE the same). int8 and fp32 targets keep the cache (same speed).
+FP16_UNCACHED = "fp16"
 
 TARGET_XML = "target/openvino_model.xml"
 DRAFTER_XML = "drafter/openvino_model.xml"
@@ -193,7 +199,10 @@ def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", 
         graphs.drafter_for_runtime(drafter_model, target_model, draft_vocab)
     graphs.target_for_runtime(target_model, manifest["target_layer_ids"])
     max_length = int(manifest["max_position_embeddings"])
-    target = OVTarget(core.compile_model(target_model, device, config or {}), max_length, seq_axes,
+    target_config = dict(config or {})
+    if manifest.get("target", {}).get("weight_format") == FP16_UNCACHED:
+        target_config.pop("CACHE_DIR", None)
+    target = OVTarget(core.compile_model(target_model, device, target_config), max_length, seq_axes,
                       **target_options)
     if with_drafter:
         drafter = OVDrafter(core.compile_model(drafter_model, device, {**DRAFTER_DEFAULTS, **(config or {})}),

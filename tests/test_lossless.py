@@ -134,3 +134,14 @@ def test_drafter_compiles_without_dynamic_quantization_unless_told(tiny_pair, tm
     assert int(pipe.target.compiled.get_property(key)) == plugin_default != 0
     told = DFlashPipeline.from_pretrained(tiny_pair, cache_dir=cache, **{key: "64"})
     assert int(told.drafter.compiled.get_property(key)) == int(told.target.compiled.get_property(key)) == 64
+
+
+def test_fp16_target_compiles_without_the_compile_cache(export_tiny_pair, tmp_path_factory):
+    """ov_models.FP16_UNCACHED: an fp16 target is compiled fresh (its cached import is slow on the
+    CPU plugin), its drafter still goes through CACHE_DIR; an fp32 target is cached as before."""
+    for fmt, expected_blobs in (("fp16", 1), ("fp32", 2)):
+        cache = tmp_path_factory.mktemp(f"ov_cache_{fmt}")
+        pair = export_tiny_pair(target_weight_format=fmt)
+        pipe = DFlashPipeline.from_pretrained(pair, cache_dir=cache)
+        blobs = list(cache.glob("*.blob"))
+        assert len(blobs) == expected_blobs, (fmt, blobs)

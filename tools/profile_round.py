@@ -1,7 +1,8 @@
 """Profile a DFlash round and the autoregressive baselines on one model directory.
 
 Usage: python tools/profile_round.py MODEL_DIR [--reps 7] [--tokens 128] [--out profile.json]
-       [--sections verify,drafter,round,ar,knobs,loop,policy,switch] [--config '{"INFERENCE_NUM_THREADS": 1}']
+       [--sections verify,drafter,round,ar,knobs,loop,policy,switch,weights] [--config '{"INFERENCE_NUM_THREADS": 1}']
+       [--compare OTHER_DIR[,OTHER_DIR...]]
 
 --config: extra compile properties for every section (the knobs section overrides its own).
 
@@ -26,6 +27,10 @@ reported, because the machine is shared and noisy):
   switch  - the cost of changing the target's input length: ms of a forward of T tokens
             (+ commit(1)) when every call has T tokens, against calls alternating T=1 with
             T=2 or T=4, after a 100- and a 1000-token context.
+  weights - MODEL_DIR against the `--compare` directories (the same pair exported with other
+            weight formats): the verify curve (K = 1, 2, 3, 4, 8) and tokens/s of our AR and
+            dflash@2/@3/@4 on one code, math and chat prompt, every directory in each
+            repetition, their order rotated.
 """
 from __future__ import annotations
 
@@ -163,6 +168,30 @@ def round_profile(pipe, prompts, tokens, blocks=(4, 8, 16)):
     return out
 
 
+def weights_compare(dirs, extra, tokens, reps, meter):
+    pipes = {str(d): DFlashPipeline.from_pretrained(d, **extra) for d in dirs}
+    first = next(iter(pipes.values()))
+    prompts = [first.encode_prompt([{"role": "user", "content": p}])
+               for domain in ("code", "math", "chat") for p in load_prompts(domain, 1)]
+    modes = {"ar": None, "dflash@2": 2, "dflash@3": 3, "dflash@4": 4}
+    rates = {(d, m): [] for d in pipes for m in modes}
+    verify = {d: [] for d in pipes}
+    busy = []
+    names = list(pipes)
+    for rep in range(reps):
+        for d in names[rep % len(names):] + names[: rep % len(names)]:
+            started = meter.start()
+            verify[d].append(verify_curve(pipes[d], prompts[2], 1, ks=(1, 2, 3, 4, 8)))
+            for m, block in modes.items():
+                for ids in prompts:
+                    toks, wall, _, _ = OursRunner(pipes[d], block)(ids, tokens)
+                    rates[(d, m)].append(len(toks) / wall)
+            busy.append(meter.foreign_cores(started))
+    return {d: {"verify_ms_by_K": {k: med([v[k] for v in verify[d]]) for k in verify[d][0]},
+                "tokens_per_s": {m: med(rates[(d, m)]) for m in modes}} for d in names} | {
+        "foreign_cores": med(busy)}
+
+
 def ar_compare(pipe, genai, prompts, tokens, reps, meter):
     ours = OursRunner(pipe, None)
     rates = {"ar": [], "genai-ar": []}
@@ -228,6 +257,7 @@ def main():
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--sections", default="verify,drafter,round,ar,knobs")
     ap.add_argument("--config", default="{}", help="extra compile properties (JSON)")
+    ap.add_argument("--compare", default="", help="comma-separated model directories for `weights`")
     args = ap.parse_args()
     sections = args.sections.split(",")
     manifest = load_manifest(args.model_dir)
@@ -294,6 +324,9 @@ def main():
                           "drafts_chosen_by_acceptance": picks})
     if "switch" in sections:
         report("switch_ms", switch_costs(pipe, max(2, args.reps // 3)))
+    if "weights" in sections:
+        dirs = [args.model_dir] + [Path(d) for d in args.compare.split(",") if d]
+        report("weights", weights_compare(dirs, extra, args.tokens, max(2, args.reps // 2), meter))
     result["foreign_cores_whole_run"] = round(meter.foreign_cores(started), 2)
     print("foreign cores (other processes) during the whole run:", result["foreign_cores_whole_run"])
     if args.out:
