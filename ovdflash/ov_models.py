@@ -3,9 +3,10 @@
 Contract:
 - `compile_runners(model_dir, manifest, device, config, with_drafter)` reads the saved IRs,
   applies `graphs.drafter_for_runtime` / `graphs.target_for_runtime`, compiles with CACHE_DIR
-  set (except for a target with fp16 weights: `FP16_UNCACHED`), and returns (OVTarget, OVDrafter | None). The drafter gets `DRAFTER_DEFAULTS` under
-  `config` (a key set in `config` wins). When `drafter/draft_vocab.json` exists (and
-  `use_draft_vocab`), the drafter's head is restricted to that draft vocabulary.
+  set (except for a target with fp16 weights: `FP16_UNCACHED`), and returns
+  (OVTarget, OVDrafter | None). The drafter gets `DRAFTER_DEFAULTS` under `config` (a key set
+  in `config` wins). When `drafter/draft_vocab.json` exists (and `use_draft_vocab`), the
+  drafter's head is restricted to that draft vocabulary.
 - `OVTarget` implements `engine.TargetRunner` on the stateful target. Rollback is mask-based:
   a host-side physical 0/1 attention mask (rejected slots set to 0) with logical position_ids,
   so a rejected draft costs nothing and the KV cache is never copied per round. When the

@@ -168,8 +168,9 @@ def round_profile(pipe, prompts, tokens, blocks=(4, 8, 16)):
     return out
 
 
-def weights_compare(dirs, extra, tokens, reps, meter):
-    pipes = {str(d): DFlashPipeline.from_pretrained(d, **extra) for d in dirs}
+def weights_compare(pipe, dirs, extra, tokens, reps, meter):
+    """`pipe` is MODEL_DIR's pipeline (already loaded by main); `dirs` the others."""
+    pipes = {str(pipe.model_dir): pipe} | {str(d): DFlashPipeline.from_pretrained(d, **extra) for d in dirs}
     first = next(iter(pipes.values()))
     prompts = [first.encode_prompt([{"role": "user", "content": p}])
                for domain in ("code", "math", "chat") for p in load_prompts(domain, 1)]
@@ -325,8 +326,8 @@ def main():
     if "switch" in sections:
         report("switch_ms", switch_costs(pipe, max(2, args.reps // 3)))
     if "weights" in sections:
-        dirs = [args.model_dir] + [Path(d) for d in args.compare.split(",") if d]
-        report("weights", weights_compare(dirs, extra, args.tokens, max(2, args.reps // 2), meter))
+        others = [Path(d) for d in args.compare.split(",") if d]
+        report("weights", weights_compare(pipe, others, extra, args.tokens, max(2, args.reps // 2), meter))
     result["foreign_cores_whole_run"] = round(meter.foreign_cores(started), 2)
     print("foreign cores (other processes) during the whole run:", result["foreign_cores_whole_run"])
     if args.out:
