@@ -230,9 +230,21 @@ def _eos_bos(target_dir: Path, tcfg: dict, tok_cfg: dict, tokenizer_json: dict):
     return eos, (int(bos) if bos is not None else None)
 
 
+def check_default_block_size(value, block_size: int) -> int | str:
+    """The runtime's rule (`ovdflash.pipeline.parse_default_block_size`), as an ExportError."""
+    from ovdflash.pipeline import parse_default_block_size
+    try:
+        return parse_default_block_size(value, block_size)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
+
+
 def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", drafter_weight_format: str = "fp32",
-                block_size: int | None = None, progress: Callable[[str], None] | None = None) -> Path:
-    """Validate, convert, compress and write the model directory; returns out_dir."""
+                block_size: int | None = None, progress: Callable[[str], None] | None = None,
+                default_block_size: int | str = "auto") -> Path:
+    """Validate, convert, compress and write the model directory; returns out_dir.
+    `default_block_size` ("auto" or 1..block size) goes to the manifest: the block size the
+    runtime uses when a call names none."""
     target, drafter, out_dir = Path(target), Path(drafter), Path(out_dir)
     step = progress or (lambda msg: None)
     for name, fmt in (("target", target_weight_format), ("drafter", drafter_weight_format)):
@@ -245,6 +257,7 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
     info = validate_pair(target, drafter, block_size)
     dcfg = info.drafter_config
     bs = dcfg.block_size if block_size is None else int(block_size)
+    default_block_size = check_default_block_size(default_block_size, bs)
     draft_vocab = _read_draft_vocab(drafter) if (drafter / DRAFT_VOCAB_FILE).is_file() else None
 
     import openvino as ov
@@ -298,6 +311,7 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
         manifest = {
             "format": MANIFEST_FORMAT,
             "block_size": bs,
+            "default_block_size": default_block_size,
             "target_layer_ids": list(dcfg.target_layer_ids),
             "mask_token_id": dcfg.mask_token_id,
             "eos_token_ids": eos,

@@ -30,9 +30,17 @@ STAMP_NAME = "ovdflash_default.json"
 # (docs/BENCHMARKS.md, run-4 drafter).
 TARGET_WEIGHT_FORMAT = "fp16"
 DRAFTER_WEIGHT_FORMAT = "int8"
+# The block size a call gets when it names none (the manifest's default_block_size): 2, one draft
+# a round. In four interleaved runs on these 2 cores (docs/BENCHMARKS.md, sessions 7-8) a fixed
+# block of 2 made 1.00-1.26x our AR's tokens/s on code, math and chat, and was the best of
+# blocks 2-4 and "auto", or within 4 % of it, in 10 of 12 set-runs (7-8 % behind in the other
+# two); "auto" made 0.91-1.35x: its choice between AR steps and drafting rests on cost
+# measurements that this VM's noise (the same call 30 % slower for minutes) keeps unsettled.
+# "auto" stays one --block-size away.
+DEFAULT_BLOCK_SIZE = 2
 # part of the export's fingerprint: bump it when the exported graphs change (2: GQA attention
 # without the K/V broadcast), so a cached default model is exported again
-EXPORT_RECIPE = f"target={TARGET_WEIGHT_FORMAT};drafter={DRAFTER_WEIGHT_FORMAT};graphs=2"
+EXPORT_RECIPE = f"target={TARGET_WEIGHT_FORMAT};drafter={DRAFTER_WEIGHT_FORMAT};graphs=2;block={DEFAULT_BLOCK_SIZE}"
 
 
 def drafter_fingerprint(drafter_dir: Path | None = None) -> str:
@@ -79,7 +87,7 @@ def ensure_default_model(cache_dir=None, progress: bool = True) -> Path:
     with building_dir(out) as tmp, \
             console.status("exporting SmolLM2-135M-Instruct + DFlash drafter to OpenVINO") as status:
         export_pair(hf_dir, SHIPPED_DRAFTER, tmp, target_weight_format=TARGET_WEIGHT_FORMAT,
-                    drafter_weight_format=DRAFTER_WEIGHT_FORMAT,
+                    drafter_weight_format=DRAFTER_WEIGHT_FORMAT, default_block_size=DEFAULT_BLOCK_SIZE,
                     progress=lambda msg: status.update(f"export: {msg}"))
         (tmp / STAMP_NAME).write_text(json.dumps({"drafter_sha256": fingerprint, "target": str(hf_dir)}, indent=1))
     console.print(f"[green]default model ready:[/green] {out}")

@@ -19,20 +19,28 @@ Contract:
   of draft i given drafts 1..i-1 were accepted. Without the switch term "auto" flips between
   k values whose steady rates are close, and pays the switch on every flip.
 - `observe_round(num_drafted, num_accepted, seconds=None)` (num_drafted = 0: an AR step)
-  learns costs in use when timed, as EMAs at `cost_update_rate`: a round that repeats the
-  previous k moves that k's steady cost (each sample clipped to 0.5-2x the estimate so one
-  descheduled call cannot swing it); a round that switched moves `switch_cost_s` towards its
+  learns costs in use when timed, at `cost_update_rate`: a round that repeats the previous k
+  (each sample clipped to 0.5-2x the estimate so one descheduled call cannot swing it) moves
+  that k's steady cost towards the sample, and first scales every k's cost (and the switch
+  cost) by (sample / estimate) ** `drift_rate`. The second part is for the machine: a shared
+  VM runs the same call 30 % slower for minutes at a time, and without it the cost of the k
+  not in use stays at its old level, so a slow phase while drafting looks like "AR is
+  cheaper" (and the reverse). A round that switched moves `switch_cost_s` towards its
   excess over the steady cost (clipped to 0..1x that cost). The first round of a sequence
   teaches neither. A round with drafts also updates the p_i: positions 1..a
   accepted, position a+1 rejected (if a < drafted), later positions unseen. Counts decay by
-  `decay` per round (the default keeps about the last 10), on top of a Beta prior of
+  `decay` per round (the default keeps about the last 20), on top of a Beta prior of
   `prior_strength` pseudo-rounds whose mean is `prior_acceptance` for p_1 and the estimate of
   p_{i-1} for p_i (unseen positions look like the one before them).
-- Exploration: after `explore_every` consecutive AR choices, `choose` drafts once (the best
-  k >= 1), so a policy that fell back to AR keeps its acceptance estimates fresh. Each probe
-  that leaves AR still preferred doubles the wait (up to `max_explore_every`): a probe costs
-  about 2-3 AR steps (a drafter catch-up over the skipped context, a verify of a new shape),
-  so a drafter that stays bad is probed ever more rarely; choosing to draft resets the wait.
+- Exploration: after `explore_every` consecutive AR choices, `choose` drafts for
+  `probe_rounds` rounds (the best k >= 1), so a policy that fell back to AR keeps its acceptance
+  estimates fresh. A probe lasts more than one round because its first round is a switch (a
+  new input shape, a drafter catching up on the skipped context): only the rounds after it
+  measure the steady cost of drafting, which a one-round probe never corrects (SmolLM2, 2
+  cores: a calibration that put a 1-draft round at 47 ms against a real 42 kept "auto" in AR
+  for 80 % of its rounds, slower than either fixed choice). Each probe that leaves AR still
+  preferred doubles the wait (up to `max_explore_every`), so a drafter that stays bad is
+  probed ever more rarely; choosing to draft resets the wait.
 - `measure_costs(target, drafter, prompt_ids, max_drafts, measured_drafts=None)` measures the two
   cost curves and the switch cost with real rounds of the engine (so the costs include accept,
   commit and the Python around them) for k = 0..measured_drafts and extends the curves linearly
@@ -55,9 +63,9 @@ import numpy as np
 
 class BlockPolicy:
     def __init__(self, step_cost_s: Sequence[float], draft_cost_s: Sequence[float], switch_cost_s: float = 0.0,
-                 prior_acceptance: float = 0.5, prior_strength: float = 2.0, decay: float = 0.9,
-                 explore_every: int = 32, max_explore_every: int = 256, cost_update_rate: float = 0.1,
-                 switch_horizon: float = 8.0):
+                 prior_acceptance: float = 0.5, prior_strength: float = 2.0, decay: float = 0.95,
+                 explore_every: int = 16, max_explore_every: int = 128, cost_update_rate: float = 0.1,
+                 switch_horizon: float = 8.0, probe_rounds: int = 2, drift_rate: float = 0.3):
         if len(step_cost_s) != len(draft_cost_s) or len(step_cost_s) < 1:
             raise ValueError("step_cost_s and draft_cost_s need one entry per draft count 0..max_drafts")
         if min(step_cost_s) <= 0:
@@ -77,6 +85,12 @@ class BlockPolicy:
         self.explore_every = explore_every
         self.max_explore_every = max_explore_every
         self.explore_wait = explore_every  # AR choices before the next probe
+        if probe_rounds < 1 or not 0.0 <= drift_rate <= 1.0:
+            raise ValueError(f"probe_rounds must be >= 1 and drift_rate in [0, 1], got {probe_rounds}, {drift_rate}")
+        self.probe_rounds = probe_rounds
+        self.drift_rate = drift_rate
+        self.probe_left = 0  # rounds of the current probe still to run
+        self.probe_k = 0
         self.accepted = [0.0] * self.max_drafts  # decayed counts per draft position (1-based i -> [i-1])
         self.seen = [0.0] * self.max_drafts
         self.ar_streak = 0
@@ -115,22 +129,30 @@ class BlockPolicy:
         rates = self.expected_tokens_per_s(max_drafts)
         best = int(np.argmax(rates))
         if best:  # drafting pays; once it stops paying, probe soon
-            self.ar_streak, self.explore_wait = 0, self.explore_every
+            self.ar_streak, self.explore_wait, self.probe_left = 0, self.explore_every, 0
             return best
         if len(rates) == 1:
             return 0
+        if self.probe_left:  # finish the probe: its later rounds measure the steady cost
+            self.probe_left -= 1
+            return min(self.probe_k, len(rates) - 1)
         self.ar_streak += 1
         if self.ar_streak <= self.explore_wait:
             return 0
         # probe: without drafting the p_i never change; back off while probes keep failing
         self.ar_streak, self.explore_wait = 0, min(2 * self.explore_wait, self.max_explore_every)
-        return 1 + int(np.argmax(rates[1:]))
+        self.probe_k, self.probe_left = 1 + int(np.argmax(rates[1:])), self.probe_rounds - 1
+        return self.probe_k
 
     def observe_round(self, num_drafted: int, num_accepted: int, seconds: float | None = None) -> None:
         if seconds is not None and self.previous_k is not None:
             estimate = self.round_cost_s[num_drafted]
             if num_drafted == self.previous_k:
                 sample = min(max(seconds, 0.5 * estimate), 2.0 * estimate)
+                drift = (sample / estimate) ** self.drift_rate   # the whole machine got slower or faster
+                self.round_cost_s = [c * drift for c in self.round_cost_s]
+                self.switch_cost_s *= drift
+                estimate = self.round_cost_s[num_drafted]
                 self.round_cost_s[num_drafted] = estimate + self.cost_update_rate * (sample - estimate)
             else:
                 excess = min(max(seconds - estimate, 0.0), estimate)

@@ -63,7 +63,8 @@ def _sigint_to_main_thread_only():
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
 @click.option("--max-new-tokens", "-n", type=int, default=512, show_default=True)
 @click.option("--block-size", default=None, metavar="N|auto",
-              help="Tokens per draft block; default 'auto': picked per round from measured costs and acceptance.")
+              help="Tokens per draft block, or 'auto' (picked per round from measured costs and acceptance); "
+                   "default: the model directory's default_block_size (the embedded default: 2).")
 @click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding on the same target.")
 @click.option("--seed", type=int, default=None, help="Sampling seed (reproducible replies).")
 @click.option("--device", "-d", default="CPU", show_default=True, help="OpenVINO device.")
@@ -83,7 +84,7 @@ def chat(model_dir, prompt, system, temperature, top_p, top_k, max_new_tokens, b
         with _sigint_to_main_thread_only():
             pipe = DFlashPipeline.from_pretrained(model_dir, device=device, draft=not no_draft,
                                                   cache_dir=cache_dir, **_parse_config(config))
-            pipe.warm_up(block_size=block_size)  # with "auto" (the default) this measures its costs
+            pipe.warm_up(block_size=block_size)  # with "auto" this measures its costs
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from exc
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,

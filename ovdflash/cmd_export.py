@@ -25,21 +25,25 @@ WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
 @click.option("--drafter-weight-format", type=click.Choice(WEIGHT_FORMATS), default="fp32", show_default=True)
 @click.option("--block-size", type=click.IntRange(min=2), default=None,
               help="Block size (default: the drafter's block_size).")
-def export(target, drafter, out, target_weight_format, drafter_weight_format, block_size):
+@click.option("--default-block-size", default="auto", show_default=True, metavar="N|auto",
+              help="Block size the runtime uses when none is asked for (written to the manifest): "
+                   "'auto' picks per round from measured costs; 1..--block-size fixes it.")
+def export(target, drafter, out, target_weight_format, drafter_weight_format, block_size, default_block_size):
     """Export a target LLM and its DFlash drafter to OpenVINO IR."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub during an export
     from rich.console import Console
 
     console = Console(stderr=True)
     try:
-        from ovdflash_export.exporter import ExportError, export_pair, validate_pair
+        from ovdflash_export.exporter import ExportError, check_default_block_size, export_pair, validate_pair
     except ImportError as exc:
         raise click.ClickException(
             f"the export stage is not installed ({exc}); install with `pip install ovdflash[export]`") from exc
 
     start = time.perf_counter()
     try:
-        validate_pair(target, drafter, block_size)  # before any output, so a mismatch is one line
+        info = validate_pair(target, drafter, block_size)  # before any output, so a mismatch is one line
+        check_default_block_size(default_block_size, block_size or info.drafter_config.block_size)
         with console.status("starting") as status:
             def step(msg):
                 console.log(msg)
@@ -47,7 +51,7 @@ def export(target, drafter, out, target_weight_format, drafter_weight_format, bl
 
             path = export_pair(target, drafter, out, target_weight_format=target_weight_format,
                                drafter_weight_format=drafter_weight_format, block_size=block_size,
-                               progress=step)
+                               progress=step, default_block_size=default_block_size)
     except ExportError as exc:
         click.echo(f"Error: {exc}", err=True)
         sys.exit(2)

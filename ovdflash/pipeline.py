@@ -14,9 +14,10 @@ Contract:
   `block_size="auto"`: a `block_policy.BlockPolicy` picks the drafts per round (0 = AR step, at
   most the trained block - 1); its cost curves are measured on the real models at the first
   "auto" call (`auto_block_policy()`, ~2-6 s on SmolLM2) and it keeps learning acceptance
-  across calls. `block_size=None` means `default_block_size`: "auto" from `from_pretrained`
-  (it chooses between AR steps and drafting by measured cost; docs/BENCHMARKS.md has where it wins and loses),
-  the trained block size (`block_size`) for a pipeline built directly.
+  across calls. `block_size=None` means `default_block_size`: from `from_pretrained`, the
+  manifest's `default_block_size` ("auto" when absent; `ovdflash export --default-block-size`;
+  the embedded default model fixes 2, measured faster than "auto" on these cores:
+  docs/BENCHMARKS.md), the trained block size (`block_size`) for a pipeline built directly.
   `generate_tokens(prompt_ids, ...)` is the token-level API (engine.TokenEvent per token).
 - A prompt is a string (encoded with the tokenizer's special tokens, and the manifest's
   `bos_token_id` in front if the tokenizer did not add it), a list of chat messages (rendered
@@ -65,6 +66,16 @@ def load_manifest(model_dir: Path) -> dict:
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
     return manifest
+
+
+def parse_default_block_size(value, block_size: int) -> int | str:
+    """A manifest's `default_block_size`: "auto", or an integer (or its digits) in 1..block_size."""
+    if value == "auto":
+        return value
+    text = str(value).strip()
+    if not text.isdigit() or not 1 <= int(text) <= block_size:
+        raise ValueError(f"default block size must be 'auto' or 1..{block_size} (the block size), got {value!r}")
+    return int(text)
 
 
 def default_model_dir() -> Path:
@@ -123,8 +134,13 @@ class DFlashPipeline:
         target, drafter = compile_runners(model_dir, manifest, device, config, with_drafter=draft,
                                           use_draft_vocab=use_draft_vocab)
         tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
-        return cls(target, drafter, tokenizer, manifest.get("eos_token_ids", []), int(manifest["block_size"]),
-                   manifest.get("mask_token_id"), model_dir, manifest.get("bos_token_id"), default_block_size="auto")
+        block_size = int(manifest["block_size"])
+        try:
+            default_block_size = parse_default_block_size(manifest.get("default_block_size", "auto"), block_size)
+        except ValueError as exc:
+            raise ValueError(f"{model_dir / 'manifest.json'}: {exc}") from None
+        return cls(target, drafter, tokenizer, manifest.get("eos_token_ids", []), block_size,
+                   manifest.get("mask_token_id"), model_dir, manifest.get("bos_token_id"), default_block_size)
 
     # -- token level ---------------------------------------------------------------------------
     def generate_tokens(self, prompt_ids: Sequence[int], max_new_tokens: int = 256, temperature: float = 0.0,

@@ -20,14 +20,15 @@ def test_cli_export_compressed_with_block_size(tiny_sources, tmp_path):
     target, drafter = tiny_sources()
     out = tmp_path / "model"
     result = _export("--target", target, "--drafter", drafter, "--out", out,
-                     "--target-weight-format", "int8", "--drafter-weight-format", "int4", "--block-size", 3)
+                     "--target-weight-format", "int8", "--drafter-weight-format", "int4", "--block-size", 3,
+                     "--default-block-size", 2)
     assert result.exit_code == 0, result.output
     for name in ("manifest.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                  "target/openvino_model.xml", "target/config.json", "drafter/openvino_model.xml",
                  "drafter/config.json"):
         assert (out / name).is_file(), name
     m = json.loads((out / "manifest.json").read_text())
-    assert m["format"] == "ovdflash/1" and m["block_size"] == 3
+    assert m["format"] == "ovdflash/1" and m["block_size"] == 3 and m["default_block_size"] == 2
     assert m["target"]["weight_format"] == "int8" and m["drafter"]["weight_format"] == "int4"
     assert m["eos_token_ids"] == [2] and m["bos_token_id"] is None  # <|im_end|> of the tiny tokenizer
     assert len(m["target"]["source_sha256"]) == 64 and "openvino" in m["versions"]
@@ -68,6 +69,44 @@ def test_cli_rejects_unknown_weight_format(tiny_sources, tmp_path):
     target, drafter = tiny_sources()
     result = _export("--target", target, "--drafter", drafter, "--out", tmp_path / "o", "--target-weight-format", "int3")
     assert result.exit_code == 2 and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("value", ["5", "0", "big"])
+def test_cli_rejects_a_default_block_size_outside_the_block(tiny_sources, tmp_path, value):
+    target, drafter = tiny_sources()
+    result = _export("--target", target, "--drafter", drafter, "--out", tmp_path / "o", "--block-size", 4,
+                     "--default-block-size", value)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0].startswith("Error: default block size must be 'auto' or 1..4") and value in lines[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_manifest_default_block_size_is_what_a_call_without_one_gets(tiny_pair, tmp_path):
+    import shutil
+
+    from ovdflash import DFlashPipeline
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_pair, model)
+    manifest = json.loads((model / "manifest.json").read_text())
+    assert manifest["default_block_size"] == "auto"   # what export writes unless told
+    prompt = list(range(3, 20))
+    for value, drafts_per_round in ((2, 1), (3, 2)):
+        manifest["default_block_size"] = value
+        (model / "manifest.json").write_text(json.dumps(manifest))
+        pipe = DFlashPipeline.from_pretrained(model, cache_dir=tmp_path / "cache")
+        assert pipe.default_block_size == value
+        list(pipe.generate_tokens(prompt, 24))
+        stats = pipe.last_stats
+        # every round drafted (the last may shrink to fit max_new_tokens), never more than the default allows
+        assert stats.num_drafts > 0 and len(stats.drafted_per_position) == drafts_per_round
+        assert stats.drafted_per_position[0] == stats.num_drafts and stats.num_ar_steps <= 1
+    for bad in (9, "fast", 0):
+        manifest["default_block_size"] = bad
+        (model / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(ValueError, match="manifest.json: default block size must be"):
+            DFlashPipeline.from_pretrained(model, cache_dir=tmp_path / "cache")
 
 
 def test_cli_rejects_missing_config(tiny_sources, tmp_path):
