@@ -78,6 +78,12 @@ class TimedRequest:
         return getattr(self._request, name)
 
 
+def rotated(items, rep):
+    """`items` starting at position rep (mod len): A B C, B C A, ... so noise hits each alike."""
+    items = list(items)
+    return items[rep % len(items):] + items[: rep % len(items)]
+
+
 def med(xs):
     return round(statistics.median(xs), 3) if xs else None
 
@@ -90,7 +96,7 @@ def verify_curve(pipe, prompt, reps, ks=(1, 2, 4, 8, 16)):
     target = pipe.target
     times = {k: [] for k in ks}
     for rep in range(reps):
-        for k in ks[rep % len(ks):] + ks[: rep % len(ks)]:
+        for k in rotated(ks, rep):
             target.reset()
             target.forward(np.asarray(prompt, np.int64), all_logits=False)
             target.commit(len(prompt))
@@ -180,7 +186,7 @@ def weights_compare(pipe, dirs, extra, tokens, reps, meter):
     busy = []
     names = list(pipes)
     for rep in range(reps):
-        for d in names[rep % len(names):] + names[: rep % len(names)]:
+        for d in rotated(names, rep):
             started = meter.start()
             verify[d].append(verify_curve(pipes[d], prompts[2], 1, ks=(1, 2, 3, 4, 8)))
             for m, block in modes.items():
@@ -237,7 +243,7 @@ def loop_compare(pipe, model_dir, manifest, config, prompts, tokens, reps, meter
     try:
         for rep in range(reps):
             for ids in prompts:
-                for kind in kinds[rep % len(kinds):] + kinds[: rep % len(kinds)]:
+                for kind in rotated(kinds, rep):
                     ov_models.run_request = infer_run if kind == "infer" else async_run
                     started = meter.start()
                     toks, wall, _, _ = (genai if kind == "genai-ar" else ours)(ids, tokens)
@@ -304,7 +310,7 @@ def main():
         rates = {name: [] for name in knobs}
         verify8 = {name: [] for name in knobs}
         for rep in range(max(2, args.reps // 2)):
-            for name in list(knobs)[rep % len(knobs):] + list(knobs)[: rep % len(knobs)]:
+            for name in rotated(knobs, rep):
                 toks, wall, _, _ = OursRunner(variants[name], None)(prompt, args.tokens)
                 rates[name].append(len(toks) / wall)
                 verify8[name].append(verify_curve(variants[name], prompt, 1, ks=(8,))["8"])
