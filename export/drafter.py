@@ -31,6 +31,9 @@ from torch import nn
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+# config.json key (kept in DrafterConfig.extra): the fraction of training blocks cut short
+# (`ovdflash train --short-blocks`); the exporter then lets the runtime draft exact-length blocks
+SHORT_BLOCKS_KEY = "ovdflash_short_blocks"
 
 
 def build_target_layer_ids(num_target_layers: int, n: int) -> list[int]:

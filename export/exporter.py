@@ -256,6 +256,7 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
     step("validating the pair")
     info = validate_pair(target, drafter, block_size)
     dcfg = info.drafter_config
+    from .drafter import SHORT_BLOCKS_KEY
     bs = dcfg.block_size if block_size is None else int(block_size)
     default_block_size = check_default_block_size(default_block_size, bs)
     draft_vocab = _read_draft_vocab(drafter) if (drafter / DRAFT_VOCAB_FILE).is_file() else None
@@ -312,6 +313,8 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
             "format": MANIFEST_FORMAT,
             "block_size": bs,
             "default_block_size": default_block_size,
+            # drafters trained on short blocks too draft k + 1 tokens; others the whole block
+            "draft_pass": "exact" if float(dcfg.extra.get(SHORT_BLOCKS_KEY, 0) or 0) > 0 else "full_block",
             "target_layer_ids": list(dcfg.target_layer_ids),
             "mask_token_id": dcfg.mask_token_id,
             "eos_token_ids": eos,

@@ -12,6 +12,11 @@ Contract:
 - Objective (dflash.md §5): per sequence, random anchors p in the response; block
   `[x_p, MASK*(B-1)]` at positions p..p+B-1; a block sees context features j < p and its own
   block (bidirectional); slot k labels x_{p+k}; CE weighted by exp(-(k-1)/gamma) / sum.
+  With `short_blocks` f, a fraction f of the blocks is cut to a random length L in 2..B-1 (the
+  block sees only its first L tokens, slots >= L are unlabelled), as a runtime verifying L-1
+  drafts would run it; the saved config then carries `ovdflash_short_blocks` = f.
+- Warm start (`init_from`): a checkpoint of the same geometry, or of fewer layers, whose added
+  layers start as no-ops (`grown_state_dict`).
 - Distillation (`kd_weight` > 0, precomputed features with top-k): the loss becomes
   (1 - kd_weight) * that CE + kd_weight * the same slot-weighted cross-entropy against the
   target's own next-token distribution (its stored top-k, renormalised over the ids scored), on
@@ -29,7 +34,8 @@ Contract:
   `train_state.pt` holds model, optimizer, step, elapsed time, scales and the vocab subset. A run
   resumed from a checkpoint reproduces the uninterrupted run's losses.
 - Validation: loss, per-slot top-1 accuracy (full vocabulary argmax) and a teacher-forced
-  acceptance estimate tau = 1 + mean number of leading correct slots per full block, per domain.
+  acceptance estimate tau = 1 + mean number of leading correct slots per full block, per domain
+  (`evaluate(block_len=L)`, `ovdflash train --evaluate-only --eval-block-len L`: of blocks of L).
 """
 from __future__ import annotations
 
@@ -45,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import Sequence, load_sequences
-from .drafter import DFlashDrafter, DrafterConfig, build_target_layer_ids, drafter_num_params
+from .drafter import SHORT_BLOCKS_KEY, DFlashDrafter, DrafterConfig, build_target_layer_ids, drafter_num_params
 
 STATE_NAME = "train_state.pt"
 LOG_NAME = "train_log.jsonl"
@@ -100,6 +106,9 @@ class TrainConfig:
     features_root: str | None = None
     # weight of the soft-label term (target top-k distributions, needs features with --topk); 0: off
     kd_weight: float = 0.0
+    # the fraction of training blocks cut to a random length 2..B-1 (build_batch): a drafter that
+    # only ever saw full blocks drafts the first slots of a shorter block worse (TRAINING.md, run 9)
+    short_blocks: float = 0.0
     # the draft vocabulary written with the checkpoint (draft_vocab.json, the drafter head's rows at
     # run time): the N ids the target's train responses use most; None: every CE id. The CE still
     # trains over the whole subset. Measured on run 4 (TRAINING.md): 3,000 of its 10,781 ids, and
@@ -290,11 +299,14 @@ def chain_labels(tokens: torch.Tensor, pred: torch.Tensor, anchors: torch.Tensor
 
 def build_batch(seqs: list[Sequence], idxs, store: FeatureStore, embed, rng: np.random.Generator, *,
                 block_size: int, n_anchors: int, max_len: int, mask_token_id: int, feat_scale, device,
-                soft: bool = False):
+                soft: bool = False, short_blocks: float = 0.0, block_len: int | None = None):
     """Tensors for one drafter forward over len(idxs) sequences with up to n_anchors blocks each.
     Labels are the stored tokens, or the target's greedy chain when the store has predictions.
     With `soft`, also the target's top-k at each labelled slot (`soft_ids` [b,N,B-1,K], -100 where
-    none, and `soft_logp`), from a store that has them (PrecomputedStore.soft)."""
+    none, and `soft_logp`), from a store that has them (PrecomputedStore.soft).
+    Shorter blocks, as a runtime that verifies fewer than B-1 drafts runs them: with `block_len` L
+    every block, with `short_blocks` f a fraction f of the blocks (L uniform in 2..B-1), holds only
+    its first L tokens: the other slots are hidden from it and unlabelled."""
     B = block_size
     toks, feats, preds, anchors, softs = [], [], [], [], []
     for i in idxs:
@@ -332,6 +344,13 @@ def build_batch(seqs: list[Sequence], idxs, store: FeatureStore, embed, rng: np.
             pos = a_t + k
             ok = pos < L
             labels[j, :n, k - 1] = torch.where(ok, t[pos.clamp(max=L - 1)], torch.full_like(pos, -100))
+    blk_len = torch.full((b, N), B, dtype=torch.long)
+    if block_len is not None:
+        blk_len.fill_(block_len)
+    elif short_blocks > 0 and B > 2:
+        short = torch.from_numpy(rng.random((b, N)) < short_blocks)
+        blk_len[short] = torch.from_numpy(rng.integers(2, B, size=(b, N)))[short]
+    labels[torch.arange(1, B)[None, None, :] >= blk_len[:, :, None]] = -100
     soft_ids = soft_logp = None
     K = next((sf[0].shape[1] for sf in softs if sf is not None), 0)
     if K:
@@ -350,11 +369,12 @@ def build_batch(seqs: list[Sequence], idxs, store: FeatureStore, embed, rng: np.
     ctx_pos = torch.arange(S).expand(b, S)
     blk_pos = (anchor_pos[:, :, None] + torch.arange(B)).reshape(b, N * B)
     position_ids = torch.cat([ctx_pos, blk_pos], dim=1)
-    # mask [b,1,N*B,S+N*B]: context j visible iff j < anchor; own block fully visible
+    # mask [b,1,N*B,S+N*B]: context j visible iff j < anchor; own block's first blk_len slots visible
     ctx_vis = torch.arange(S)[None, None, :] < anchor_pos[:, :, None]          # [b,N,S]
     ctx_vis = ctx_vis[:, :, None, :].expand(b, N, B, S).reshape(b, N * B, S)
     blk_id = torch.arange(N).repeat_interleave(B)
-    blk_vis = (blk_id[:, None] == blk_id[None, :]).expand(b, N * B, N * B)
+    in_len = (torch.arange(B)[None, None, :] < blk_len[:, :, None]).reshape(b, 1, N * B)
+    blk_vis = (blk_id[:, None] == blk_id[None, :])[None] & in_len
     mask = torch.cat([ctx_vis, blk_vis], dim=-1)[:, None]
     labels[~keep] = -100
     with torch.no_grad():
@@ -516,9 +536,11 @@ def save_folded(drafter: DFlashDrafter, inv_scale: torch.Tensor | None, out_dir,
 # ------------------------------------------------------------------ validation
 @torch.no_grad()
 def evaluate(drafter, seqs, idxs, store, target, cfg, feat_scale, vocab_ids, remap, weights, device,
-             n_anchors=None, seed=12345, draft_vocab: torch.Tensor | None = None) -> dict:
+             n_anchors=None, seed=12345, draft_vocab: torch.Tensor | None = None,
+             block_len: int | None = None) -> dict:
     """Val loss (subset CE), per-slot accuracy and tau estimate, with full-vocabulary argmax
-    (or an argmax restricted to `draft_vocab`, as a runtime with a draft vocabulary does)."""
+    (or an argmax restricted to `draft_vocab`, as a runtime with a draft vocabulary does); with
+    `block_len` L, of blocks of L tokens (L-1 drafts), as a runtime verifying L-1 drafts runs them."""
     drafter.eval()
     rng = np.random.default_rng(seed)
     B = cfg.block_size
@@ -531,7 +553,8 @@ def evaluate(drafter, seqs, idxs, store, target, cfg, feat_scale, vocab_ids, rem
         chunk = idxs[start:start + cfg.batch_seqs]
         batch = build_batch(seqs, chunk, store, target.embed, rng, block_size=B,
                             n_anchors=n_anchors or cfg.val_anchors, max_len=cfg.max_len,
-                            mask_token_id=cfg.mask_token_id, feat_scale=feat_scale, device=device)
+                            mask_token_id=cfg.mask_token_id, feat_scale=feat_scale, device=device,
+                            block_len=block_len)
         h = blocks_forward(drafter, batch)
         loss, _ = weighted_ce(h, batch["labels"], target.lm_head_weight, weights, vocab_ids, remap)
         tot_loss += loss.item()
@@ -540,12 +563,13 @@ def evaluate(drafter, seqs, idxs, store, target, cfg, feat_scale, vocab_ids, rem
             pred = drafter_logits(h, target.lm_head_weight).argmax(-1)  # full vocabulary, as at inference
         else:
             pred = draft_vocab[drafter_logits(h, target.lm_head_weight, draft_vocab).argmax(-1)]
-        lab = batch["labels"]
+        drafts = (block_len or B) - 1
+        lab, pred = batch["labels"][..., :drafts], pred[..., :drafts]
         ok = (pred == lab) & (lab >= 0)
         valid = lab >= 0
-        correct += ok.sum((0, 1)).cpu().numpy()
-        counted += valid.sum((0, 1)).cpu().numpy()
-        full = valid.all(-1)  # blocks with all B-1 labels inside the sequence
+        correct[:drafts] += ok.sum((0, 1)).cpu().numpy()
+        counted[:drafts] += valid.sum((0, 1)).cpu().numpy()
+        full = valid.all(-1)  # blocks with all their labels inside the sequence
         lead = torch.cumprod(ok.long(), dim=-1).sum(-1)  # leading correct slots
         for j, i in enumerate(chunk):
             d = seqs[i].domain
@@ -554,12 +578,32 @@ def evaluate(drafter, seqs, idxs, store, target, cfg, feat_scale, vocab_ids, rem
             tau_n[d] = tau_n.get(d, 0) + int(sel.sum())
     drafter.train()
     res = {"val_loss": tot_loss / max(n_batches, 1),
-           "val_acc": [round(float(c / max(n, 1)), 4) for c, n in zip(correct, counted)]}
+           "val_acc": [round(float(c / max(n, 1)), 4) for c, n in zip(correct[:drafts], counted[:drafts])]}
     all_n = sum(tau_n.values())
     res["val_tau"] = round(sum(tau_sum.values()) / max(all_n, 1), 4)
     for d in sorted(tau_n):
         res[f"val_tau_{d}"] = round(tau_sum[d] / max(tau_n[d], 1), 4)
     return res
+
+
+def grown_state_dict(sd: dict, have_layers: int, want_layers: int) -> dict:
+    """A `have_layers` drafter's weights as a `want_layers` one that computes the same function.
+
+    Each added layer starts as a copy of the last trained layer with its two residual writers
+    (`o_proj`, `down_proj`) zeroed, so it adds nothing until training moves them, and the grown
+    drafter drafts exactly what the smaller one did (a warm start loses nothing). The copy, rather
+    than a random init, gives the new layer's attention and MLP inputs that already mean something.
+    """
+    sd = dict(sd)
+    last = f"layers.{have_layers - 1}."
+    for new in range(have_layers, want_layers):
+        for k in [k for k in sd if k.startswith(last)]:
+            name = k[len(last):]
+            w = sd[k].clone()
+            if name in ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight"):
+                w.zero_()
+            sd[f"layers.{new}.{name}"] = w
+    return sd
 
 
 # ------------------------------------------------------------------ main loop
@@ -581,7 +625,7 @@ def train(cfg: TrainConfig, log=print) -> Path:
         saved = resume["train_config"]
         for k in ("num_layers", "block_size", "target_layer_ids", "num_features", "mask_token_id",
                   "anchors_per_seq", "batch_seqs", "max_len", "seed", "gamma", "vocab_subset", "feature_scaling",
-                  "ce_vocab_size"):
+                  "ce_vocab_size", "short_blocks"):
             setattr(cfg, k, saved.get(k, getattr(cfg, k)))
 
     tcfg = json.loads((Path(cfg.target) / "config.json").read_text())
@@ -605,6 +649,8 @@ def train(cfg: TrainConfig, log=print) -> Path:
         rope_theta=float(rope_theta), max_position_embeddings=int(tcfg.get("max_position_embeddings", 4096)),
         vocab_size=vocab, block_size=cfg.block_size, target_layer_ids=list(cfg.target_layer_ids),
         mask_token_id=cfg.mask_token_id, num_target_layers=n_target)
+    if cfg.short_blocks > 0:
+        dcfg.extra[SHORT_BLOCKS_KEY] = cfg.short_blocks  # the exporter reads it (manifest "draft_pass")
     drafter = DFlashDrafter(dcfg).init_weights(cfg.seed)
     with torch.no_grad():
         init = cfg.final_norm_init
@@ -707,15 +753,18 @@ def train(cfg: TrainConfig, log=print) -> Path:
     if resume is None and cfg.init_from:
         init = DFlashDrafter.from_pretrained(cfg.init_from)
         ic = init.config
-        if (ic.num_hidden_layers, ic.block_size, list(ic.target_layer_ids), ic.mask_token_id, ic.hidden_size) != (
-                cfg.num_layers, cfg.block_size, list(cfg.target_layer_ids), cfg.mask_token_id, H):
+        if (ic.block_size, list(ic.target_layer_ids), ic.mask_token_id, ic.hidden_size) != (
+                cfg.block_size, list(cfg.target_layer_ids), cfg.mask_token_id, H) or ic.num_hidden_layers > cfg.num_layers:
             raise ValueError(f"--init-from {cfg.init_from}: its geometry (layers {ic.num_hidden_layers}, block "
-                             f"{ic.block_size}, ids {ic.target_layer_ids}, mask {ic.mask_token_id}) differs from this run's")
-        sd = init.state_dict()
+                             f"{ic.block_size}, ids {ic.target_layer_ids}, mask {ic.mask_token_id}) differs from this run's"
+                             f" (layers {cfg.num_layers}, block {cfg.block_size}, ids {list(cfg.target_layer_ids)}, "
+                             f"mask {cfg.mask_token_id}); only the layer count may grow")
+        sd = grown_state_dict(init.state_dict(), ic.num_hidden_layers, cfg.num_layers)
         if inv_scale is not None:  # saved checkpoints take raw features: unfold this run's scale
             sd["fc.weight"] = sd["fc.weight"] / inv_scale[None, :]
         drafter.load_state_dict(sd)
-        log(f"warm start from {cfg.init_from}")
+        grown = f", grown from {ic.num_hidden_layers} to {cfg.num_layers} layers" if ic.num_hidden_layers < cfg.num_layers else ""
+        log(f"warm start from {cfg.init_from}{grown}")
     if resume is not None:
         drafter.load_state_dict(resume["model"])
         opt.load_state_dict(resume["optimizer"])
@@ -777,7 +826,8 @@ def train(cfg: TrainConfig, log=print) -> Path:
         idxs = pick_batch(rng, train_idx, step, cfg.batch_seqs, cfg.new_per_step)
         batch = build_batch(seqs, idxs, store, target.embed, rng, block_size=cfg.block_size,
                             n_anchors=cfg.anchors_per_seq, max_len=cfg.max_len, mask_token_id=cfg.mask_token_id,
-                            feat_scale=feat_scale, device=device, soft=cfg.kd_weight > 0)
+                            feat_scale=feat_scale, device=device, soft=cfg.kd_weight > 0,
+                            short_blocks=cfg.short_blocks)
         ids = vocab_ids
         step_remap = remap
         if vocab_ids is not None and cfg.num_negatives and not cfg.ce_vocab_size and outside_ids.numel():
@@ -837,7 +887,7 @@ def train(cfg: TrainConfig, log=print) -> Path:
 
 
 def evaluate_checkpoint(drafter_dir, target_dir, data_dirs, n_anchors: int = 10_000, batch_seqs: int = 4,
-                        device: str = "auto", features_root: str | None = None) -> dict:
+                        device: str = "auto", features_root: str | None = None, block_len: int | None = None) -> dict:
     """Teacher-forced acceptance estimate of a saved checkpoint (raw features, full-vocab argmax).
     Labels are the stored tokens; with `features_root` (precomputed OpenVINO features), features
     and labels (its greedy chain) come from the deployed target instead."""
@@ -853,12 +903,12 @@ def evaluate_checkpoint(drafter_dir, target_dir, data_dirs, n_anchors: int = 10_
     if features_root:
         store = precomputed_store(features_root, data_dirs, store, seqs)
     res = evaluate(drafter, seqs, list(range(len(seqs))), store, target, cfg, None, None, None,
-                   weights, device, n_anchors=n_anchors)
+                   weights, device, n_anchors=n_anchors, block_len=block_len)
     out = {k.replace("val_", "eval_"): v for k, v in res.items()} | {"sequences": len(seqs)}
     vocab_path = Path(drafter_dir) / DRAFT_VOCAB_NAME
     if vocab_path.is_file():
         dv = torch.tensor(sorted(json.loads(vocab_path.read_text())), dtype=torch.long, device=device)
         res = evaluate(drafter, seqs, list(range(len(seqs))), store, target, cfg, None, None, None,
-                       weights, device, n_anchors=n_anchors, draft_vocab=dv)
+                       weights, device, n_anchors=n_anchors, draft_vocab=dv, block_len=block_len)
         out["with_draft_vocab"] = {k.replace("val_", "eval_"): v for k, v in res.items() if "loss" not in k}
     return out

@@ -50,7 +50,8 @@ def _ids(text):
 @click.option("--device", default="auto", show_default=True)
 @click.option("--threads", type=int, default=None)
 @click.option("--init-from", default=None, type=click.Path(exists=True, file_okay=False),
-              help="Warm start from this drafter checkpoint (same geometry); a fresh optimizer and schedule.")
+              help="Warm start from this drafter checkpoint (same geometry, or fewer layers: added layers start as "
+                   "no-ops); a fresh optimizer and schedule.")
 @click.option("--no-relabel", is_flag=True,
               help="Train on the stored tokens instead of the target's greedy chain (see train.py; "
                    "teacher-forced text data needs relabelling).")
@@ -67,11 +68,16 @@ def _ids(text):
               help="Score only the N ids the target's responses use most (no negatives): the CE and "
                    "distillation train exactly the head the runtime applies, which is written as the draft "
                    "vocabulary; a smaller head also makes each step cheaper.")
+@click.option("--short-blocks", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
+              help="Fraction of training blocks cut to a random length 2..block-1, so the drafter also drafts "
+                   "well when the runtime verifies fewer drafts than the block holds.")
+@click.option("--eval-block-len", type=click.IntRange(min=2), default=None,
+              help="With --evaluate-only: estimate acceptance for blocks of this many tokens (default: the full block).")
 @click.option("--evaluate-only", is_flag=True, help="Only print the tau estimate of the checkpoint in --out on --eval-data.")
 def train(target, data_dirs, eval_dirs, out_dir, state_dir, layers, block_size, target_layer_ids, num_features, mask_token_id,
           anchors, batch_seqs, max_len, lr, warmup_steps, max_steps, minutes, gamma, num_negatives, no_vocab_subset,
           no_feature_scaling, val_every, new_per_step, reload_every, save_every_s, feature_cache_gb, seed, device, threads, init_from, no_relabel, features_root, kd_weight, draft_vocab_size,
-          ce_vocab_size, evaluate_only):
+          ce_vocab_size, short_blocks, eval_block_len, evaluate_only):
     """Distill a DFlash drafter for a target model."""
     try:
         from ovdflash_export.train import TrainConfig, evaluate_checkpoint
@@ -84,7 +90,7 @@ def train(target, data_dirs, eval_dirs, out_dir, state_dir, layers, block_size, 
         target = str(fetch_smollm2())
     if evaluate_only:
         click.echo(json.dumps(evaluate_checkpoint(out_dir, target, list(eval_dirs or data_dirs), device=device,
-                                              features_root=features_root),
+                                              features_root=features_root, block_len=eval_block_len),
                               indent=1))
         return
     if max_steps is None and minutes is None:
@@ -98,7 +104,7 @@ def train(target, data_dirs, eval_dirs, out_dir, state_dir, layers, block_size, 
                       save_every_s=save_every_s,
                       feature_cache_gb=feature_cache_gb, seed=seed, device=device, threads=threads,
                       init_from=init_from, relabel=not no_relabel, features_root=features_root, kd_weight=kd_weight,
-                      draft_vocab_size=draft_vocab_size, ce_vocab_size=ce_vocab_size)
+                      draft_vocab_size=draft_vocab_size, ce_vocab_size=ce_vocab_size, short_blocks=short_blocks)
     if kd_weight > 0 and not features_root:
         raise click.UsageError("--kd-weight needs --features (soft labels come from precomputed top-k)")
     if ce_vocab_size and no_vocab_subset:

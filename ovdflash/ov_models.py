@@ -18,6 +18,9 @@ Contract:
   call.
 - `OVDrafter` implements `engine.DrafterRunner`: it feeds the block `[last, mask*(B-1)]` as ids,
   the new context features, positions and an all-ones mask, and reads back only `draft_tokens`.
+  A round that verifies k < B-1 drafts still runs the whole block and reads its first k
+  (`draft_block` = B, manifest `draft_pass` "full_block"), or runs k + 1 tokens (`draft_block` 0,
+  "exact"); near the end of the positions the pass shrinks to fit.
 """
 from __future__ import annotations
 
@@ -153,6 +156,7 @@ class OVDrafter:
         self.compiled = compiled
         self.request = compiled.create_infer_request()
         self.block_size = block_size
+        self.draft_block = block_size  # tokens per drafter pass, at least num_drafts + 1
         self.mask_token_id = mask_token_id
         self.tokens_out = compiled.output("draft_tokens")
         self.positions = np.arange(max_length + 1, dtype=np.int64)[None, :]
@@ -166,7 +170,12 @@ class OVDrafter:
         self.context_len = 0  # positions whose features are in the drafter state
 
     def propose(self, last: int, ctx_feats: np.ndarray, start: int, num_drafts: int) -> np.ndarray:
-        num_ctx, block = len(ctx_feats), num_drafts + 1
+        num_ctx = len(ctx_feats)
+        # manifest "draft_pass" full_block (the default): draft with the block the drafter was trained
+        # on even when fewer drafts are verified, since the first slots of a short block see fewer
+        # mask tokens than in training and draft worse (docs/BENCHMARKS.md, session 9); "exact"
+        # (draft_block 0): k + 1 tokens, for drafters trained on short blocks too
+        block = max(num_drafts + 1, min(self.draft_block, len(self.ones[0]) - start))
         if self.context_len + num_ctx != start:
             raise RuntimeError(f"drafter context out of sync: {self.context_len} + {num_ctx} != {start}")
         if block > self.block.shape[1]:
@@ -180,7 +189,7 @@ class OVDrafter:
             "beam_idx": self.beam_idx,
         })
         self.context_len = start
-        return self.request.get_tensor(self.tokens_out).data[0].copy()
+        return self.request.get_tensor(self.tokens_out).data[0, :num_drafts].copy()
 
 
 def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", config: dict | None = None,
@@ -208,4 +217,6 @@ def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", 
     if with_drafter:
         drafter = OVDrafter(core.compile_model(drafter_model, device, {**DRAFTER_DEFAULTS, **(config or {})}),
                             int(manifest["block_size"]), int(manifest["mask_token_id"]), max_length)
+        if manifest.get("draft_pass", "full_block") == "exact":
+            drafter.draft_block = 0
     return target, drafter

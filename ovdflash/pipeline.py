@@ -78,6 +78,19 @@ def parse_default_block_size(value, block_size: int) -> int | str:
     return int(text)
 
 
+DRAFT_PASSES = ("full_block", "exact")
+
+
+def parse_draft_pass(value) -> str:
+    """A manifest's `draft_pass`: how many tokens a drafter pass runs when a round verifies k drafts.
+    "full_block": always the block the drafter was trained on, reading the first k drafts (a drafter
+    trained only on full blocks drafts the first slots of a shorter block worse); "exact": k + 1
+    (a drafter trained with `--short-blocks`, for which the shorter pass is as good and cheaper)."""
+    if value not in DRAFT_PASSES:
+        raise ValueError(f"draft_pass must be one of {', '.join(DRAFT_PASSES)}, got {value!r}")
+    return value
+
+
 def default_model_dir() -> Path:
     try:
         from ovdflash_models.default import ensure_default_model
@@ -128,6 +141,10 @@ class DFlashPipeline:
 
         model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
         manifest = load_manifest(model_dir)
+        try:
+            manifest["draft_pass"] = parse_draft_pass(manifest.get("draft_pass", "full_block"))
+        except ValueError as exc:
+            raise ValueError(f"{model_dir / 'manifest.json'}: {exc}") from None
         config = default_compile_config(manifest)
         config.update(compile_options)
         config.setdefault("CACHE_DIR", str(cache_dir or DEFAULT_CACHE_DIR))

@@ -109,6 +109,41 @@ def test_the_manifest_default_block_size_is_what_a_call_without_one_gets(tiny_pa
             DFlashPipeline.from_pretrained(model, cache_dir=tmp_path / "cache")
 
 
+def test_the_manifest_draft_pass_sets_how_many_tokens_a_drafter_pass_runs(tiny_sources, tiny_pair, tmp_path):
+    import shutil
+
+    from ovdflash import STRICT_F32, DFlashPipeline
+    from ovdflash_export.drafter import SHORT_BLOCKS_KEY
+    from ovdflash_export.exporter import export_pair
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_pair, model)
+    manifest = json.loads((model / "manifest.json").read_text())
+    assert manifest["draft_pass"] == "full_block"  # a drafter trained on full blocks only
+    prompt = list(range(5, 30))
+    outputs = []
+    for value, draft_block in (("full_block", manifest["block_size"]), ("exact", 0)):
+        manifest["draft_pass"] = value
+        (model / "manifest.json").write_text(json.dumps(manifest))
+        pipe = DFlashPipeline.from_pretrained(model, cache_dir=tmp_path / "cache", **STRICT_F32)
+        assert pipe.drafter.draft_block == draft_block
+        outputs.append([e.token for e in pipe.generate_tokens(prompt, 30, block_size=2, eos_token_ids=[])])
+    ar = [e.token for e in pipe.generate_tokens(prompt, 30, draft=False, eos_token_ids=[])]
+    assert outputs == [ar, ar]
+    manifest["draft_pass"] = "half"
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="manifest.json: draft_pass must be one of full_block, exact"):
+        DFlashPipeline.from_pretrained(model, cache_dir=tmp_path / "cache")
+    # a drafter trained with --short-blocks says so in its config; the export then drafts exact blocks
+    target, drafter = tiny_sources()
+    short = tmp_path / "drafter_short"
+    shutil.copytree(drafter, short)
+    cfg = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**cfg, SHORT_BLOCKS_KEY: 0.5}))
+    out = export_pair(target, short, tmp_path / "pair_short")
+    assert json.loads((out / "manifest.json").read_text())["draft_pass"] == "exact"
+
+
 def test_cli_rejects_missing_config(tiny_sources, tmp_path):
     _, drafter = tiny_sources()
     (tmp_path / "empty").mkdir()

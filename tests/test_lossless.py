@@ -64,6 +64,28 @@ def test_greedy_dflash_equals_autoregressive_over_many_prompts(strict_pipe):
     assert pipe.target.num_compactions - compactions_before >= 1
 
 
+def test_short_blocks_are_drafted_with_the_trained_block_and_cut(strict_pipe):
+    """A verify of k drafts reads the first k drafts of a pass over the whole trained block."""
+    drafter = strict_pipe.drafter
+    feat = drafter.compiled.input("hidden_states").get_partial_shape()[2].get_length()
+    rng = np.random.default_rng(5)
+    differ = 0
+    for n in (3, 9, 20, 33):
+        feats = rng.standard_normal((n, feat)).astype(np.float32)
+        last = int(rng.integers(0, 200))
+        drafter.reset()
+        whole = drafter.propose(last, feats, n, drafter.block_size - 1)
+        for k in range(1, drafter.block_size - 1):
+            drafter.reset()
+            assert drafter.propose(last, feats, n, k).tolist() == whole[:k].tolist()
+        drafter.draft_block = 0  # a pass of exactly k + 1 tokens
+        drafter.reset()
+        differ += drafter.propose(last, feats, n, 1).tolist() != whole[:1].tolist()
+        drafter.draft_block = drafter.block_size
+    assert len(whole) == drafter.block_size - 1
+    print(f"a 2-token pass drafted another first token than the whole block in {differ} of 4 cases")
+
+
 class OracleDrafter:
     """Proposes the known AR continuation, corrupted at a rate: long accepted prefixes on the real target."""
 

@@ -42,6 +42,17 @@ def _cfg(target, data, out, **kw):
     return TrainConfig(**base)
 
 
+_TRAINED = {}
+
+
+def _trained(target, data, root):
+    if "dir" not in _TRAINED:
+        out = root / "run_short_src"
+        train(_cfg(target, data, out, max_steps=10), log=lambda s: None)
+        _TRAINED["dir"] = out
+    return _TRAINED["dir"]
+
+
 def _losses(out):
     return [json.loads(l)["loss"] for l in open(out / "train_log.jsonl") if '"loss"' in l]
 
@@ -123,6 +134,34 @@ def test_warm_start_loads_the_checkpoint_and_checks_geometry(tiny_setup):
         train(_cfg(target, data, root / "run_bad", max_steps=1, block_size=3, init_from=str(src)), log=lambda s: None)
 
 
+def test_a_warm_start_may_grow_the_layer_count_without_changing_the_drafts(tiny_setup):
+    target, data, root = tiny_setup
+    src = root / "run_src1"
+    train(_cfg(target, data, src, max_steps=20), log=lambda s: None)
+    grown = root / "run_grown"
+    lines = []
+    train(_cfg(target, data, grown, max_steps=0, num_layers=3, init_from=str(src)), log=lines.append)
+    assert any("grown from 1 to 3 layers" in l for l in lines)
+    small, big = DFlashDrafter.from_pretrained(src).eval(), DFlashDrafter.from_pretrained(grown).eval()
+    assert len(big.layers) == 3
+    gen = torch.Generator().manual_seed(0)
+    h = small.config.hidden_size
+    block = torch.randn(1, 4, h, generator=gen)
+    ctx = torch.randn(1, 6, small.config.fc_in_features, generator=gen)
+    pos = torch.arange(10)[None]
+    with torch.no_grad():
+        out_small, _ = small(block, ctx, pos)
+        out_big, _ = big(block, ctx, pos)
+    torch.testing.assert_close(out_big, out_small, atol=1e-5, rtol=1e-5)  # added layers start as no-ops
+    warm = root / "run_grown_trained"
+    train(_cfg(target, data, warm, max_steps=5, num_layers=2, init_from=str(src)), log=lambda s: None)
+    moved = DFlashDrafter.from_pretrained(warm).state_dict()["layers.1.mlp.down_proj.weight"]
+    assert moved.abs().max() > 0  # and training does move them
+    with pytest.raises(ValueError, match="only the layer count may grow"):
+        train(_cfg(target, data, root / "run_shrink", max_steps=0, num_layers=1, init_from=str(grown)),
+              log=lambda s: None)
+
+
 def test_loss_falls_and_checkpoint_loads(tiny_setup):
     target, data, root = tiny_setup
     out = root / "run_full"
@@ -181,6 +220,34 @@ def test_resume_reproduces_uninterrupted_run(tiny_setup):
     ref, got = _losses(full), _losses(part)
     assert len(got) == 20
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_short_training_block_is_what_a_short_drafting_pass_computes(tiny_setup):
+    """block_len / short_blocks cut blocks as the runtime does when it verifies fewer drafts."""
+    from ovdflash_export.train import blocks_forward, build_batch, FeatureStore
+
+    target, data, root = tiny_setup
+    ft = FrozenTarget(target, [0, 2], "cpu")
+    seqs = load_sequences(data)
+    drafter = DFlashDrafter.from_pretrained(_trained(target, data, root)).eval()
+    kw = dict(block_size=4, n_anchors=3, max_len=64, mask_token_id=VOCAB - 1, device="cpu", feat_scale=None)
+    full = build_batch(seqs, [0, 1], FeatureStore(ft, 0), ft.embed, np.random.default_rng(0), **kw)
+    cut = build_batch(seqs, [0, 1], FeatureStore(ft, 0), ft.embed, np.random.default_rng(0), block_len=2, **kw)
+    assert (cut["labels"][..., 1:] == -100).all() and (cut["labels"][..., 0] == full["labels"][..., 0]).all()
+    with torch.no_grad():
+        h_full, h_cut = blocks_forward(drafter, full), blocks_forward(drafter, cut)
+        # one block by hand: context strictly before the anchor, then [anchor, mask] alone
+        seq = torch.from_numpy(seqs[0].tokens[:64])
+        p = int(full["position_ids"][0, full["target_hidden"].shape[1]])  # first block's anchor position
+        feats, _ = FrozenTarget(target, [0, 2], "cpu").features(seq)
+        block = ft.embed(torch.tensor([[int(seq[p]), VOCAB - 1]])).float()
+        alone, _ = drafter(block, feats[None, :p], torch.arange(p + 2)[None])
+    torch.testing.assert_close(h_cut[0, 0, 0], alone[0, 1], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(h_full[0, 0, 0], alone[0, 1], atol=1e-3)  # the full block drafts slot 1 otherwise
+    mixed = build_batch(seqs, list(range(8)), FeatureStore(ft, 0), ft.embed, np.random.default_rng(1),
+                        short_blocks=0.5, **kw)
+    labelled = (mixed["labels"] >= 0).sum(-1)
+    assert {1, 2} <= set(labelled[labelled > 0].tolist())  # some blocks cut to 2 or 3 tokens
 
 
 def test_pick_batch_walks_new_sequences_in_order():
