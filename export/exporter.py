@@ -256,7 +256,6 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
     step("validating the pair")
     info = validate_pair(target, drafter, block_size)
     dcfg = info.drafter_config
-    from .drafter import SHORT_BLOCKS_KEY
     bs = dcfg.block_size if block_size is None else int(block_size)
     default_block_size = check_default_block_size(default_block_size, bs)
     draft_vocab = _read_draft_vocab(drafter) if (drafter / DRAFT_VOCAB_FILE).is_file() else None
@@ -266,6 +265,7 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
     from ovdflash.graphs import drafter_for_runtime, read_layer_locators, target_for_runtime
 
     from .compress import compress_model
+    from .drafter import SHORT_BLOCKS_KEY
     from .drafter_export import export_drafter
     from .target import export_target_model, gguf_to_hf_dir, save_target
 

@@ -152,11 +152,12 @@ class OVTarget:
 
 
 class OVDrafter:
-    def __init__(self, compiled: ov.CompiledModel, block_size: int, mask_token_id: int, max_length: int):
+    def __init__(self, compiled: ov.CompiledModel, block_size: int, mask_token_id: int, max_length: int,
+                 exact_passes: bool = False):
         self.compiled = compiled
         self.request = compiled.create_infer_request()
         self.block_size = block_size
-        self.draft_block = block_size  # tokens per drafter pass, at least num_drafts + 1
+        self.draft_block = 0 if exact_passes else block_size  # tokens per drafter pass, at least num_drafts + 1
         self.mask_token_id = mask_token_id
         self.tokens_out = compiled.output("draft_tokens")
         self.positions = np.arange(max_length + 1, dtype=np.int64)[None, :]
@@ -216,7 +217,6 @@ def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", 
                       **target_options)
     if with_drafter:
         drafter = OVDrafter(core.compile_model(drafter_model, device, {**DRAFTER_DEFAULTS, **(config or {})}),
-                            int(manifest["block_size"]), int(manifest["mask_token_id"]), max_length)
-        if manifest.get("draft_pass", "full_block") == "exact":
-            drafter.draft_block = 0
+                            int(manifest["block_size"]), int(manifest["mask_token_id"]), max_length,
+                            exact_passes=manifest.get("draft_pass") == "exact")
     return target, drafter

@@ -42,17 +42,6 @@ def _cfg(target, data, out, **kw):
     return TrainConfig(**base)
 
 
-_TRAINED = {}
-
-
-def _trained(target, data, root):
-    if "dir" not in _TRAINED:
-        out = root / "run_short_src"
-        train(_cfg(target, data, out, max_steps=10), log=lambda s: None)
-        _TRAINED["dir"] = out
-    return _TRAINED["dir"]
-
-
 def _losses(out):
     return [json.loads(l)["loss"] for l in open(out / "train_log.jsonl") if '"loss"' in l]
 
@@ -229,7 +218,9 @@ def test_a_short_training_block_is_what_a_short_drafting_pass_computes(tiny_setu
     target, data, root = tiny_setup
     ft = FrozenTarget(target, [0, 2], "cpu")
     seqs = load_sequences(data)
-    drafter = DFlashDrafter.from_pretrained(_trained(target, data, root)).eval()
+    src = root / "run_short_src"
+    train(_cfg(target, data, src, max_steps=10), log=lambda s: None)
+    drafter = DFlashDrafter.from_pretrained(src).eval()
     kw = dict(block_size=4, n_anchors=3, max_len=64, mask_token_id=VOCAB - 1, device="cpu", feat_scale=None)
     full = build_batch(seqs, [0, 1], FeatureStore(ft, 0), ft.embed, np.random.default_rng(0), **kw)
     cut = build_batch(seqs, [0, 1], FeatureStore(ft, 0), ft.embed, np.random.default_rng(0), block_len=2, **kw)
