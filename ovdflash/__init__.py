@@ -12,7 +12,15 @@ STRICT_F32 = {
     "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0",
 }
 
-__all__ = ["DFlashPipeline", "STRICT_F32"]
+# how the target's attention and KV cache run (ov_models.compile_runners): "paged" (openvino's
+# paged-attention transformation at load time: host-held block caches, rollback by past_lens;
+# cheaper target calls than the stateful IR at every verify width measured, docs/BENCHMARKS.md
+# session 10) or "stateful" (the IR as exported: KV in ReadValue/Assign states, SDPA, mask-based
+# rollback). A model directory's manifest may set `target_runner`; a caller's choice wins over both.
+TARGET_RUNNERS = ("paged", "stateful")
+DEFAULT_TARGET_RUNNER = "paged"
+
+__all__ = ["DFlashPipeline", "STRICT_F32", "TARGET_RUNNERS"]
 
 
 def __getattr__(name):

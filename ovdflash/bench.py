@@ -50,6 +50,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from . import TARGET_RUNNERS
 from .pipeline import DFlashPipeline, default_compile_config, default_model_dir, load_manifest
 from .stats import GenerationStats
 
@@ -240,7 +241,7 @@ def rss_mb() -> float:
     return float("nan")
 
 
-def measure_memory(model_dir: Path, config: dict | None = None) -> dict:
+def measure_memory(model_dir: Path, config: dict | None = None, target_runner: str | None = None) -> dict:
     """Resident memory of a pipeline without / with its drafter (and with the full-vocabulary
     head when the drafter ships a draft vocabulary), each in a fresh process after one call.
 
@@ -250,14 +251,15 @@ def measure_memory(model_dir: Path, config: dict | None = None) -> dict:
     code = ("import sys, json, ovdflash.bench as b; from ovdflash import DFlashPipeline; "
             "draft = sys.argv[2] != 'none'; "
             "p = DFlashPipeline.from_pretrained(sys.argv[1], draft=draft, use_draft_vocab=sys.argv[2] == 'vocab', "
-            "**json.loads(sys.argv[3])); "
+            "target_runner=sys.argv[4] or None, **json.loads(sys.argv[3])); "
             "list(p.generate_tokens(list(range(100, 164)), 16, draft=draft)); print(b.rss_mb())")
     variants = {"target_only_mb": "none", "with_drafter_mb": "vocab"}
     if (model_dir / "drafter" / "draft_vocab.json").exists():
         variants["with_drafter_full_vocab_mb"] = "full"
     out = {}
     for name, flag in variants.items():
-        proc = subprocess.run([sys.executable, "-c", code, str(model_dir), flag, json.dumps(config or {})],
+        proc = subprocess.run([sys.executable, "-c", code, str(model_dir), flag, json.dumps(config or {}),
+                               target_runner or ""],
                               capture_output=True, text=True)
         out[name] = float(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
     if out["target_only_mb"] and out["with_drafter_mb"]:
@@ -266,9 +268,9 @@ def measure_memory(model_dir: Path, config: dict | None = None) -> dict:
 
 
 def build_runners(model_dir: Path, modes: list[str], block_sizes: list[int | str], config: dict,
-                  notes: list[str]) -> dict:
+                  notes: list[str], target_runner: str | None = None) -> dict:
     manifest = load_manifest(model_dir)
-    pipe = DFlashPipeline.from_pretrained(model_dir, **config)
+    pipe = DFlashPipeline.from_pretrained(model_dir, target_runner=target_runner, **config)
     runners = {}
     for mode in modes:
         if mode == "dflash":
@@ -312,9 +314,9 @@ def build_runners(model_dir: Path, modes: list[str], block_sizes: list[int | str
 
 def run_benchmark(model_dir: Path, prompt_sets: list[str], num_prompts: int, max_new_tokens: int,
                   modes: list[str], block_sizes: list[int | str], repetitions: int, warmup: int,
-                  config: dict, progress=None) -> dict:
+                  config: dict, progress=None, target_runner: str | None = None) -> dict:
     notes = []
-    built = build_runners(model_dir, modes, block_sizes, config, notes)
+    built = build_runners(model_dir, modes, block_sizes, config, notes, target_runner)
     pipe, runners = built["pipe"], built["runners"]
     prompts = {name: [pipe.encode_prompt([{"role": "user", "content": p}]) for p in load_prompts(name, num_prompts)]
                for name in prompt_sets}
@@ -341,6 +343,7 @@ def run_benchmark(model_dir: Path, prompt_sets: list[str], num_prompts: int, max
                     if progress:
                         progress(done, total)
     result = summarize(runs, names, prompt_sets, notes)
+    result["target_runner"] = pipe.target.kind
     if pipe.block_policy is not None:  # what "auto" measured and learned, to explain its choices
         policy = pipe.block_policy
         result["block_policy"] = {"round_ms_by_drafts": [1e3 * c for c in policy.round_cost_s],
@@ -522,8 +525,11 @@ def parse_block_sizes(text: str) -> list[int | str]:
 @click.option("--out", "out_dir", default="bench_out", show_default=True, type=click.Path(path_type=Path))
 @click.option("--memory/--no-memory", default=True, show_default=True, help="measure drafter memory overhead")
 @click.option("--config", "config_json", default="{}", help="extra OpenVINO compile properties as JSON")
+@click.option("--target-runner", type=click.Choice(TARGET_RUNNERS), default=None,
+              help="how our modes run the target's attention: paged (openvino's paged attention, the default) "
+                   "or stateful (the exported IR's KV states); default: the model directory's choice")
 def bench(model_dir, prompt_sets, num_prompts, max_new_tokens, modes, block_sizes, repetitions, warmup,
-          out_dir, memory, config_json):
+          out_dir, memory, config_json, target_runner):
     """Benchmark DFlash against autoregressive baselines (greedy, interleaved runs, medians)."""
     from rich.console import Console
     from rich.progress import Progress
@@ -544,13 +550,15 @@ def bench(model_dir, prompt_sets, num_prompts, max_new_tokens, modes, block_size
         task = prog.add_task("benchmark", total=None)
         result = run_benchmark(model_dir, sets, num_prompts, max_new_tokens, [m for m in modes.split(",") if m],
                                parse_block_sizes(block_sizes), repetitions, warmup, config,
-                               progress=lambda d, t: prog.update(task, completed=d, total=t))
+                               progress=lambda d, t: prog.update(task, completed=d, total=t),
+                               target_runner=target_runner)
     result["settings"] = dict(model_dir=str(model_dir), prompt_sets=sets, num_prompts=num_prompts,
                               max_new_tokens=max_new_tokens, block_sizes=parse_block_sizes(block_sizes),
                               repetitions=repetitions, warmup=warmup, config=config,
+                              target_runner=result.pop("target_runner"),
                               machine=f"{os.cpu_count()} CPUs", date=time.strftime("%Y-%m-%d %H:%M:%S"))
     if memory:
-        result["memory"] = measure_memory(model_dir, config)
+        result["memory"] = measure_memory(model_dir, config, target_runner)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(result, indent=1))
     plot(result, out_dir / "bench.png")

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import click
 
+from . import TARGET_RUNNERS
+
 HELP = "commands: /reset  /stats  /quit   (Ctrl-C stops a reply, Ctrl-D quits)"
 
 
@@ -72,8 +74,11 @@ def _sigint_to_main_thread_only():
               help="OpenVINO CACHE_DIR (default ~/.cache/ovdflash/ov_cache).")
 @click.option("--config", "-c", multiple=True, metavar="KEY=VALUE",
               help="OpenVINO compile property, e.g. -c INFERENCE_PRECISION_HINT=f32 (repeatable).")
+@click.option("--target-runner", type=click.Choice(TARGET_RUNNERS), default=None,
+              help="How the target's attention runs: paged (openvino's paged attention; the default) or stateful "
+                   "(the exported IR's KV states). Default: the model directory's choice.")
 def chat(model_dir, prompt, system, temperature, top_p, top_k, max_new_tokens, block_size, no_draft, seed,
-         device, cache_dir, config):
+         device, cache_dir, config, target_runner):
     """Chat with MODEL_DIR (default: SmolLM2-135M + shipped drafter)."""
     from .pipeline import DFlashPipeline
     from .sampling import SamplingParams
@@ -83,7 +88,8 @@ def chat(model_dir, prompt, system, temperature, top_p, top_k, max_new_tokens, b
         block_size = _parse_block_size(block_size)
         with _sigint_to_main_thread_only():
             pipe = DFlashPipeline.from_pretrained(model_dir, device=device, draft=not no_draft,
-                                                  cache_dir=cache_dir, **_parse_config(config))
+                                                  cache_dir=cache_dir, target_runner=target_runner,
+                                                  **_parse_config(config))
             pipe.warm_up(block_size=block_size)  # with "auto" this measures its costs
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from exc

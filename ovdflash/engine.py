@@ -5,7 +5,8 @@ Contract:
   the tokens at logical positions `committed..committed+T-1` on top of the cache and returns
   (logits rows, features): all T rows of logits, or only the last one; features for all T rows.
   The returned arrays may be views valid until the next call. `commit(n)` keeps the first n of
-  those tokens and rolls the rest back (an OpenVINO runner masks them; no cache copy).
+  those tokens and rolls the rest back (the OpenVINO runners move `past_lens` back or mask them;
+  no cache copy).
 - A drafter runner (`DrafterRunner`) holds the drafter's context cache. `propose(last, ctx_feats,
   start, num_drafts)` adds the features of the tokens at positions `start-len(ctx_feats)..start-1`
   to its context and returns `num_drafts` argmax proposals for positions `start+1..`.

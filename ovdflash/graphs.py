@@ -90,8 +90,15 @@ def _set_name(output: ov.Output, name: str):
     output.get_tensor().set_names({name})
 
 
+def is_paged(model: ov.Model) -> bool:
+    """True after `openvino._offline_transformations.paged_attention_transformation`."""
+    return any("past_lens" in p.get_output_tensor(0).get_names() for p in model.get_parameters())
+
+
 def target_for_runtime(model: ov.Model, target_layer_ids) -> ov.Model:
-    """Add `logits_indices` (gather before lm_head) and the `target_hidden` output. In place."""
+    """Add `logits_indices` (gather before lm_head) and the `target_hidden` output. In place.
+    On a paged model (`is_paged`) the outputs keep its token-major layout: `logits [N,1,V]`,
+    `target_hidden [T,1,n*Ht]`."""
     locators = read_layer_locators(model)
     missing = [i for i in target_layer_ids if i not in locators]
     if missing:
@@ -101,8 +108,10 @@ def target_for_runtime(model: ov.Model, target_layer_ids) -> ov.Model:
     indices = ops.parameter(ov.PartialShape([-1]), ov.Type.i64, name="logits_indices")
     _set_name(indices.output(0), "logits_indices")
     hidden = lm_head.input_value(0)
-    # gather along T (axis 1 of [1,T,H]) so the vocab projection runs only for the wanted rows
-    gathered = ops.gather(hidden, indices, ops.constant(1, ov.Type.i64))
+    # gather along T so the vocab projection runs only for the wanted rows: axis 1 of [1,T,H], or
+    # axis 0 of [T,1,H] after openvino's paged-attention transformation (tokens become the batch)
+    token_axis = 0 if is_paged(model) else 1
+    gathered = ops.gather(hidden, indices, ops.constant(token_axis, ov.Type.i64))
     lm_head.input(0).replace_source_output(gathered.output(0))
     model.add_parameters([indices])
 

@@ -4,9 +4,15 @@ Contract:
 - `compile_runners(model_dir, manifest, device, config, with_drafter)` reads the saved IRs,
   applies `graphs.drafter_for_runtime` / `graphs.target_for_runtime`, compiles with CACHE_DIR
   set (except for a target with fp16 weights: `FP16_UNCACHED`), and returns
-  (OVTarget, OVDrafter | None). The drafter gets `DRAFTER_DEFAULTS` under `config` (a key set
+  (OVPagedTarget | OVTarget, OVDrafter | None). The drafter gets `DRAFTER_DEFAULTS` under `config` (a key set
   in `config` wins). When `drafter/draft_vocab.json` exists (and `use_draft_vocab`), the
   drafter's head is restricted to that draft vocabulary.
+- `compile_runners(..., target_runner=)` picks the target runner (`ovdflash.TARGET_RUNNERS`):
+  "paged" (the default) applies openvino's paged-attention transformation before the runtime
+  graph edits and returns an `OVPagedTarget`; "stateful" keeps the exported IR: `OVTarget`.
+- `OVPagedTarget` implements `engine.TargetRunner` on the paged target: host-held block caches
+  (one ov.Tensor per key_cache.i / value_cache.i, grown by doubling), `past_lens` = committed
+  tokens, so a rollback is `commit(k)` alone and the next forward overwrites the rejected slots.
 - `OVTarget` implements `engine.TargetRunner` on the stateful target. Rollback is mask-based:
   a host-side physical 0/1 attention mask (rejected slots set to 0) with logical position_ids,
   so a rejected draft costs nothing and the KV cache is never copied per round. When the
@@ -30,6 +36,7 @@ import numpy as np
 import openvino as ov
 
 from . import graphs
+from . import DEFAULT_TARGET_RUNNER, TARGET_RUNNERS
 
 # Drafter-only compile defaults. No dynamic quantization: the drafter's FullyConnected layers see
 # 1-8 rows a call, where quantizing the activations costs more than it saves (SmolLM2's int8
@@ -69,7 +76,22 @@ def run_request(request: ov.InferRequest, inputs: dict) -> None:
     request.wait()
 
 
-class OVTarget:
+class _LogitRows:
+    """`logits_indices` for a forward of num tokens: all rows (a reused buffer), or the last."""
+
+    row_indices = np.arange(256, dtype=np.int64)
+
+    def _logit_rows(self, num: int, all_logits: bool) -> np.ndarray:
+        if not all_logits:
+            return np.array([num - 1], dtype=np.int64)
+        if num > len(self.row_indices):
+            self.row_indices = np.arange(num, dtype=np.int64)
+        return self.row_indices[:num]
+
+
+class OVTarget(_LogitRows):
+    kind = "stateful"  # one of ovdflash.TARGET_RUNNERS
+
     def __init__(self, compiled: ov.CompiledModel, max_length: int, seq_axes: dict[str, int] | None = None,
                  compact_fraction: float = 0.25, compact_min_garbage: int = 64):
         self.compiled = compiled
@@ -83,7 +105,6 @@ class OVTarget:
         # reused host buffers: inputs are views into these (share_inputs=True: no copies)
         self.positions = np.arange(max_length + 1, dtype=np.int64)[None, :]
         self.mask = np.ones((1, 256), dtype=np.int64)
-        self.row_indices = np.arange(256, dtype=np.int64)
         self.beam_idx = np.zeros(1, dtype=np.int32)
         self.state_reads = 0
         self.state_writes = 0
@@ -109,12 +130,7 @@ class OVTarget:
             grown[:, : self.physical] = self.mask[:, : self.physical]
             self.mask = grown
         self.mask[0, self.physical:end] = 1
-        if all_logits:
-            if num > len(self.row_indices):
-                self.row_indices = np.arange(num, dtype=np.int64)
-            rows = self.row_indices[:num]
-        else:
-            rows = np.array([num - 1], dtype=np.int64)
+        rows = self._logit_rows(num, all_logits)
         run_request(self.request, {
             "input_ids": np.ascontiguousarray(token_ids, dtype=np.int64).reshape(1, num),
             "attention_mask": self.mask[:, :end],
@@ -149,6 +165,91 @@ class OVTarget:
         self.physical = len(keep)
         self.mask[0, : self.physical] = 1
         self.num_compactions += 1
+
+
+class OVPagedTarget(_LogitRows):
+    """engine.TargetRunner on the target after openvino's paged-attention transformation
+    (`compile_runners(..., target_runner="paged")`), the attention openvino.genai runs.
+
+    The KV cache is a set of host-allocated tensors, `[blocks, kv_heads, block_tokens, head_dim]`
+    per layer for K and V (shape and element type as the plugin asks: f16/f32, or u8 with its
+    scales), holding one sequence in blocks 0, 1, 2, ... in order. A forward writes its T tokens
+    at slots committed..committed+T-1 and attends to them and the committed ones (`past_lens`).
+    Rollback is free and exact: `commit(k)` keeps k of them, and the next forward overwrites the
+    rest, so there is no mask, no garbage and no compaction. The cache grows by doubling its
+    blocks (one copy of the used blocks each time)."""
+
+    kind = "paged"  # one of ovdflash.TARGET_RUNNERS
+
+    def __init__(self, compiled: ov.CompiledModel, max_length: int, initial_blocks: int = 16):
+        self.compiled = compiled
+        self.request = compiled.create_infer_request()
+        self.max_length = max_length
+        self.logits_out = compiled.output("logits")
+        self.hidden_out = compiled.output("target_hidden")
+        self.cache_inputs = [(i.get_any_name(), i.get_element_type(), [d.get_length() for d in i.get_partial_shape()[1:]])
+                             for i in compiled.inputs if i.get_any_name().startswith(("key_cache.", "value_cache."))]
+        if not self.cache_inputs:
+            raise ValueError("the paged-attention transformation left this target without key_cache.* inputs "
+                             "(an attention pattern openvino does not convert): use target_runner='stateful'")
+        # tokens per block: dim 2 of a value cache (a u8 key cache adds rows of scales to that dim)
+        self.block_tokens = next(shape[1] for name, _, shape in self.cache_inputs if name.startswith("value_cache."))
+        self.positions = np.arange(max_length + 1, dtype=np.int64)
+        self.block_indices = np.arange(-(-(max_length + 1) // self.block_tokens), dtype=np.int32)
+        self.past_lens = np.zeros(1, dtype=np.int32)
+        self.subsequence_begins = np.zeros(2, dtype=np.int32)
+        self.block_indices_begins = np.zeros(2, dtype=np.int32)
+        self.caches: dict[str, ov.Tensor] = {}
+        self.num_blocks = 0
+        self.num_cache_grows = 0
+        self.num_compactions = 0  # engine.TargetRunner: never compacts
+        self._grow(initial_blocks)
+        self.reset()
+
+    def _grow(self, num_blocks: int) -> None:
+        for name, element_type, shape in self.cache_inputs:
+            tensor = ov.Tensor(element_type, [num_blocks, *shape])
+            old = self.caches.get(name)
+            if old is not None:
+                tensor.data[: self.num_blocks] = old.data[: self.num_blocks]
+            self.caches[name] = tensor
+            self.request.set_tensor(name, tensor)
+        self.num_blocks = num_blocks
+        self.num_cache_grows += 1
+
+    def reset(self) -> None:
+        self.committed = 0  # tokens with KV in the cache, all of them valid
+        self.pending = 0    # tokens of the last forward not yet committed
+
+    def forward(self, token_ids: np.ndarray, all_logits: bool) -> tuple[np.ndarray, np.ndarray]:
+        assert self.pending == 0, "commit() the previous forward first"
+        num = len(token_ids)
+        past, end = self.committed, self.committed + num
+        blocks = -(-end // self.block_tokens)
+        if blocks > self.num_blocks:
+            self._grow(min(max(blocks, 2 * self.num_blocks), len(self.block_indices)))
+        rows = self._logit_rows(num, all_logits)
+        self.past_lens[0] = past
+        self.subsequence_begins[1] = num
+        self.block_indices_begins[1] = blocks
+        run_request(self.request, {
+            "input_ids": np.ascontiguousarray(token_ids, dtype=np.int64).reshape(num),
+            "position_ids": self.positions[past:end],
+            "past_lens": self.past_lens,
+            "subsequence_begins": self.subsequence_begins,
+            "block_indices_begins": self.block_indices_begins,
+            "block_indices": self.block_indices[:blocks],
+            "max_context_len": np.array(end, dtype=np.int32),
+            "logits_indices": rows,
+        })
+        self.pending = num
+        return self.request.get_tensor(self.logits_out).data[:, 0], self.request.get_tensor(self.hidden_out).data[:, 0]
+
+    def commit(self, num_kept: int) -> None:
+        """Keep the first num_kept tokens of the last forward; the next forward overwrites the rest."""
+        assert 0 < num_kept <= self.pending
+        self.committed += num_kept
+        self.pending = 0
 
 
 class OVDrafter:
@@ -195,8 +296,12 @@ class OVDrafter:
 
 def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", config: dict | None = None,
                     with_drafter: bool = True, core: ov.Core | None = None, use_draft_vocab: bool = True,
-                    **target_options) -> tuple[OVTarget, OVDrafter | None]:
-    """Read, adapt and compile the pair. `config` goes to compile_model (CACHE_DIR included)."""
+                    target_runner: str = DEFAULT_TARGET_RUNNER,
+                    **target_options) -> tuple[OVTarget | OVPagedTarget, OVDrafter | None]:
+    """Read, adapt and compile the pair. `config` goes to compile_model (CACHE_DIR included).
+    `target_runner` (`TARGET_RUNNERS`): "stateful" (OVTarget) or "paged" (OVPagedTarget)."""
+    if target_runner not in TARGET_RUNNERS:
+        raise ValueError(f"target_runner must be one of {', '.join(TARGET_RUNNERS)}, got {target_runner!r}")
     model_dir = Path(model_dir)
     core = core or ov.Core()
     target_model = core.read_model(model_dir / TARGET_XML)
@@ -208,13 +313,20 @@ def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", 
         vocab_path = model_dir / DRAFT_VOCAB
         draft_vocab = graphs.read_draft_vocab(vocab_path) if use_draft_vocab and vocab_path.exists() else None
         graphs.drafter_for_runtime(drafter_model, target_model, draft_vocab)
+    if target_runner == "paged":
+        from openvino._offline_transformations import paged_attention_transformation
+
+        paged_attention_transformation(target_model)
     graphs.target_for_runtime(target_model, manifest["target_layer_ids"])
     max_length = int(manifest["max_position_embeddings"])
     target_config = dict(config or {})
     if manifest.get("target", {}).get("weight_format") == FP16_UNCACHED:
         target_config.pop("CACHE_DIR", None)
-    target = OVTarget(core.compile_model(target_model, device, target_config), max_length, seq_axes,
-                      **target_options)
+    compiled_target = core.compile_model(target_model, device, target_config)
+    if target_runner == "paged":
+        target = OVPagedTarget(compiled_target, max_length, **target_options)
+    else:
+        target = OVTarget(compiled_target, max_length, seq_axes, **target_options)
     if with_drafter:
         drafter = OVDrafter(core.compile_model(drafter_model, device, {**DRAFTER_DEFAULTS, **(config or {})}),
                             int(manifest["block_size"]), int(manifest["mask_token_id"]), max_length,

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from . import engine
+from . import DEFAULT_TARGET_RUNNER, TARGET_RUNNERS, engine
 from .block_policy import BlockPolicy, measure_costs
 from .sampling import SamplingParams
 from .stats import GenerationStats
@@ -136,7 +136,7 @@ class DFlashPipeline:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path | None = None, device: str = "CPU", draft: bool = True,
                         cache_dir: str | Path | None = None, use_draft_vocab: bool = True,
-                        **compile_options) -> "DFlashPipeline":
+                        target_runner: str | None = None, **compile_options) -> "DFlashPipeline":
         from .ov_models import compile_runners  # openvino is only needed from here on
 
         model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
@@ -145,11 +145,17 @@ class DFlashPipeline:
             manifest["draft_pass"] = parse_draft_pass(manifest.get("draft_pass", "full_block"))
         except ValueError as exc:
             raise ValueError(f"{model_dir / 'manifest.json'}: {exc}") from None
+        if target_runner is None:
+            target_runner = manifest.get("target_runner", DEFAULT_TARGET_RUNNER)
+            if target_runner not in TARGET_RUNNERS:
+                raise ValueError(f"{model_dir / 'manifest.json'}: target_runner must be one of "
+                                 f"{', '.join(TARGET_RUNNERS)}, got {target_runner!r}")
         config = default_compile_config(manifest)
         config.update(compile_options)
         config.setdefault("CACHE_DIR", str(cache_dir or DEFAULT_CACHE_DIR))
         target, drafter = compile_runners(model_dir, manifest, device, config, with_drafter=draft,
-                                          use_draft_vocab=use_draft_vocab)
+                                          use_draft_vocab=use_draft_vocab,
+                                          target_runner=target_runner)
         tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
         block_size = int(manifest["block_size"])
         try:

@@ -347,11 +347,12 @@ def test_measure_costs_separates_the_switch_cost_from_the_steady_costs():
 
 
 # ------------------------------------------------------------------ the real tiny OpenVINO pair
-@pytest.fixture(scope="module")
-def strict_pipe(tiny_pair, tmp_path_factory):
+@pytest.fixture(scope="module", params=["paged", "stateful"])
+def strict_pipe(request, tiny_pair, tmp_path_factory):
     pipe = DFlashPipeline.from_pretrained(tiny_pair, cache_dir=tmp_path_factory.mktemp("ov_cache"),
-                                          INFERENCE_NUM_THREADS=1, **STRICT_F32)
-    pipe.target.compact_min_garbage = 24  # force compactions in short generations
+                                          INFERENCE_NUM_THREADS=1, target_runner=request.param, **STRICT_F32)
+    if request.param == "stateful":
+        pipe.target.compact_min_garbage = 24  # force compactions in short generations
     return pipe
 
 

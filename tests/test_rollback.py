@@ -1,4 +1,5 @@
-"""Mask-based KV rollback on the real OpenVINO target: exact, and never a per-round cache copy."""
+"""Mask-based KV rollback on the real OpenVINO target (the stateful runner): exact, and never a
+per-round cache copy. The paged runner's rollback: tests/test_paged_target.py."""
 import numpy as np
 import pytest
 
@@ -28,7 +29,8 @@ class CountingRequest:
 @pytest.fixture(scope="module")
 def pipe(tiny_pair, tmp_path_factory):
     pipe = DFlashPipeline.from_pretrained(tiny_pair, cache_dir=tmp_path_factory.mktemp("ov_cache"),
-                                          INFERENCE_NUM_THREADS=1, **STRICT_F32)  # tiny calls: 1 thread is faster
+                                          INFERENCE_NUM_THREADS=1,  # tiny calls: 1 thread is faster
+                                          target_runner="stateful", **STRICT_F32)
     pipe.default_block_size = pipe.block_size  # these tests are about fixed-block rounds, not block_size="auto"
     return pipe
 
@@ -65,7 +67,7 @@ def test_every_architecture_honours_the_physical_mask(arch, export_tiny_pair, tm
     """Mask rollback relies on the graph applying a non-contiguous attention_mask: check per family
     (llama = SmolLM2's), then greedy DFlash == AR on a few prompts."""
     pipe = DFlashPipeline.from_pretrained(export_tiny_pair(arch=arch), cache_dir=tmp_path,
-                                          INFERENCE_NUM_THREADS=1, **STRICT_F32)
+                                          INFERENCE_NUM_THREADS=1, target_runner="stateful", **STRICT_F32)
     pipe.default_block_size = pipe.block_size  # these tests are about fixed-block rounds, not block_size="auto"
     check_masked_rollback_equals_fresh_run(pipe)
     rng = np.random.default_rng(3)

@@ -162,8 +162,7 @@ def test_dflash_sampling_matches_ar_on_the_real_tiny_model(tiny_pair, tmp_path):
     pipe.default_block_size = SelfDrafter.block_size  # fixed blocks: every round drafts
     params = dict(temperature=0.8, top_k=6)
     prompt = [5, 17, 33]
-    from ovdflash.ov_models import OVTarget
-    pipe.drafter = SelfDrafter(OVTarget, pipe.target.compiled, pipe.target.max_length, prompt)
+    pipe.drafter = SelfDrafter(type(pipe.target), pipe.target.compiled, pipe.target.max_length, prompt)
 
     def draw(draft):
         out = []

@@ -1,7 +1,7 @@
 """Profile a DFlash round and the autoregressive baselines on one model directory.
 
 Usage: python tools/profile_round.py MODEL_DIR [--reps 7] [--tokens 128] [--out profile.json]
-       [--sections verify,drafter,round,ar,knobs,loop,policy,switch,weights] [--config '{"INFERENCE_NUM_THREADS": 1}']
+       [--sections verify,drafter,round,ar,knobs,loop,policy,switch,weights,runners] [--config '{"INFERENCE_NUM_THREADS": 1}']
        [--compare OTHER_DIR[,OTHER_DIR...]]
 
 --config: extra compile properties for every section (the knobs section overrides its own).
@@ -31,6 +31,8 @@ reported, because the machine is shared and noisy):
             weight formats): the verify curve (K = 1, 2, 3, 4, 8) and tokens/s of our AR and
             dflash@2/@3/@4 on one code, math and chat prompt, every directory in each
             repetition, their order rotated.
+  runners - the same measurements for MODEL_DIR loaded with each target runner (paged,
+            stateful).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from compare_drafters import time_drafter  # noqa: E402  (tools/, next to this file)
+from ovdflash import TARGET_RUNNERS  # noqa: E402
 from ovdflash.bench import CpuMeter, GenaiRunner, OursRunner, load_prompts  # noqa: E402
 from ovdflash.block_policy import BlockPolicy  # noqa: E402
 from ovdflash.pipeline import DFlashPipeline, default_compile_config, load_manifest  # noqa: E402
@@ -177,6 +180,18 @@ def round_profile(pipe, prompts, tokens, blocks=(4, 8, 16)):
 def weights_compare(pipe, dirs, extra, tokens, reps, meter):
     """`pipe` is MODEL_DIR's pipeline (already loaded by main); `dirs` the others."""
     pipes = {str(pipe.model_dir): pipe} | {str(d): DFlashPipeline.from_pretrained(d, **extra) for d in dirs}
+    return compare_pipelines(pipes, tokens, reps, meter)
+
+
+def runners_compare(model_dir, extra, tokens, reps, meter):
+    """MODEL_DIR with each target runner (ovdflash.TARGET_RUNNERS), side by side."""
+    pipes = {r: DFlashPipeline.from_pretrained(model_dir, target_runner=r, **extra) for r in TARGET_RUNNERS}
+    return compare_pipelines(pipes, tokens, reps, meter)
+
+
+def compare_pipelines(pipes, tokens, reps, meter):
+    """The verify curve and tok/s of our AR and dflash@2/@3/@4 on one code, math and chat prompt
+    for every pipeline in each repetition, their order rotated."""
     first = next(iter(pipes.values()))
     prompts = [first.encode_prompt([{"role": "user", "content": p}])
                for domain in ("code", "math", "chat") for p in load_prompts(domain, 1)]
@@ -331,6 +346,8 @@ def main():
                           "drafts_chosen_by_acceptance": picks})
     if "switch" in sections:
         report("switch_ms", switch_costs(pipe, max(2, args.reps // 3)))
+    if "runners" in sections:
+        report("runners", runners_compare(args.model_dir, extra, args.tokens, max(2, args.reps // 2), meter))
     if "weights" in sections:
         others = [Path(d) for d in args.compare.split(",") if d]
         report("weights", weights_compare(pipe, others, extra, args.tokens, max(2, args.reps // 2), meter))
