@@ -33,6 +33,7 @@ def result(tiny_pair, tmp_path_factory):
 def test_every_mode_runs_every_prompt_interleaved(result):
     expected = ["dflash@2", "dflash@4", "ar"] + (["genai-ar"] if HAVE_GENAI else [])
     assert result["modes"] == expected
+    assert result["target_runner"] == "paged"  # the default
     runs = result["runs"]
     assert len(runs) == len(expected) * 2 * 2   # modes x prompts x repetitions
     # repetition 0 starts with the first mode, repetition 1 with the second (rotation)
@@ -90,11 +91,12 @@ def test_cli_writes_json_and_png(tiny_pair, tmp_path):
     out = tmp_path / "bench"
     res = CliRunner().invoke(bench, [str(tiny_pair), "--prompt-sets", "math", "-n", "1", "--max-new-tokens", "6",
                                      "--modes", "dflash,ar", "--block-sizes", "4", "--repetitions", "1",
-                                     "--warmup", "0", "--no-memory", "--out", str(out),
+                                     "--warmup", "0", "--no-memory", "--out", str(out), "--target-runner", "stateful",
                                      "--config", json.dumps({**STRICT_F32, "CACHE_DIR": str(tmp_path / "c")})])
     assert res.exit_code == 0, res.output
     data = json.loads((out / "bench.json").read_text())
     assert data["settings"]["max_new_tokens"] == 6 and set(data["prompt_sets"]) == {"math"}
+    assert data["settings"]["target_runner"] == "stateful"
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "GSM8K is not on PyPI" in res.output and "dflash@4" in res.output
 

@@ -39,6 +39,12 @@ def test_chat_no_draft_and_sampling_flags(tiny_pair, tmp_path):
     assert all(r.returncode == 0 for r in runs), runs[0].stderr
     assert runs[0].stdout == runs[1].stdout  # seeded
     assert "accept len" not in runs[0].stderr  # --no-draft: plain AR
+    stateful = subprocess.run(CLI + [str(tiny_pair)] + args + ["--target-runner", "stateful"], capture_output=True,
+                              text=True, timeout=240)
+    assert stateful.returncode == 0 and stateful.stdout.strip(), stateful.stderr
+    bad = subprocess.run(CLI + [str(tiny_pair), "--prompt", "x", "--target-runner", "pagd"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode != 0 and "--target-runner" in bad.stderr
 
 
 def test_chat_rejects_bad_parameters(tiny_pair):
