@@ -35,8 +35,8 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-from . import graphs
-from . import DEFAULT_TARGET_RUNNER, TARGET_RUNNERS
+from . import DEFAULT_TARGET_RUNNER, graphs
+from .pipeline import parse_target_runner
 
 # Drafter-only compile defaults. No dynamic quantization: the drafter's FullyConnected layers see
 # 1-8 rows a call, where quantizing the activations costs more than it saves (SmolLM2's int8
@@ -199,6 +199,7 @@ class OVPagedTarget(_LogitRows):
         self.past_lens = np.zeros(1, dtype=np.int32)
         self.subsequence_begins = np.zeros(2, dtype=np.int32)
         self.block_indices_begins = np.zeros(2, dtype=np.int32)
+        self.max_context_len = np.zeros((), dtype=np.int32)
         self.caches: dict[str, ov.Tensor] = {}
         self.num_blocks = 0
         self.num_cache_grows = 0
@@ -232,6 +233,7 @@ class OVPagedTarget(_LogitRows):
         self.past_lens[0] = past
         self.subsequence_begins[1] = num
         self.block_indices_begins[1] = blocks
+        self.max_context_len[...] = end
         run_request(self.request, {
             "input_ids": np.ascontiguousarray(token_ids, dtype=np.int64).reshape(num),
             "position_ids": self.positions[past:end],
@@ -239,7 +241,7 @@ class OVPagedTarget(_LogitRows):
             "subsequence_begins": self.subsequence_begins,
             "block_indices_begins": self.block_indices_begins,
             "block_indices": self.block_indices[:blocks],
-            "max_context_len": np.array(end, dtype=np.int32),
+            "max_context_len": self.max_context_len,
             "logits_indices": rows,
         })
         self.pending = num
@@ -300,8 +302,7 @@ def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", 
                     **target_options) -> tuple[OVTarget | OVPagedTarget, OVDrafter | None]:
     """Read, adapt and compile the pair. `config` goes to compile_model (CACHE_DIR included).
     `target_runner` (`TARGET_RUNNERS`): "stateful" (OVTarget) or "paged" (OVPagedTarget)."""
-    if target_runner not in TARGET_RUNNERS:
-        raise ValueError(f"target_runner must be one of {', '.join(TARGET_RUNNERS)}, got {target_runner!r}")
+    target_runner = parse_target_runner(target_runner)
     model_dir = Path(model_dir)
     core = core or ov.Core()
     target_model = core.read_model(model_dir / TARGET_XML)

@@ -91,6 +91,13 @@ def parse_draft_pass(value) -> str:
     return value
 
 
+def parse_target_runner(value) -> str:
+    """How the target's attention runs: one of `ovdflash.TARGET_RUNNERS` (see there)."""
+    if value not in TARGET_RUNNERS:
+        raise ValueError(f"target_runner must be one of {', '.join(TARGET_RUNNERS)}, got {value!r}")
+    return value
+
+
 def default_model_dir() -> Path:
     try:
         from ovdflash_models.default import ensure_default_model
@@ -145,11 +152,11 @@ class DFlashPipeline:
             manifest["draft_pass"] = parse_draft_pass(manifest.get("draft_pass", "full_block"))
         except ValueError as exc:
             raise ValueError(f"{model_dir / 'manifest.json'}: {exc}") from None
-        if target_runner is None:
-            target_runner = manifest.get("target_runner", DEFAULT_TARGET_RUNNER)
-            if target_runner not in TARGET_RUNNERS:
-                raise ValueError(f"{model_dir / 'manifest.json'}: target_runner must be one of "
-                                 f"{', '.join(TARGET_RUNNERS)}, got {target_runner!r}")
+        if target_runner is None:  # the caller's choice, else the model directory's, else the default
+            try:
+                target_runner = parse_target_runner(manifest.get("target_runner", DEFAULT_TARGET_RUNNER))
+            except ValueError as exc:
+                raise ValueError(f"{model_dir / 'manifest.json'}: {exc}") from None
         config = default_compile_config(manifest)
         config.update(compile_options)
         config.setdefault("CACHE_DIR", str(cache_dir or DEFAULT_CACHE_DIR))
