@@ -121,9 +121,16 @@ class ShardWriter:
 
 
 # ------------------------------------------------------------------ generation
-def chat_prompt_ids(tokenizer, turns) -> list[int]:
-    """The chat-templated prompt (default system prompt, generation prompt) as token ids."""
-    msgs = [{"role": "user", "content": turns[0]}]
+def chat_prompt_ids(tokenizer, turns, replies=()) -> list[int]:
+    """The chat-templated prompt (default system prompt, generation prompt) as token ids.
+    `replies[i]` is the assistant's answer to `turns[i]`: a follow-up prompt (prompts.py) carries
+    its earlier exchange, and the prompt ends at the first user turn without a reply."""
+    if len(replies) >= len(turns):
+        raise ValueError(f"a prompt needs a user turn after its {len(replies)} replies, got {len(turns)} turns")
+    msgs = []
+    for question, answer in zip(turns, replies):
+        msgs += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    msgs.append({"role": "user", "content": turns[len(replies)]})
     text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -229,7 +236,7 @@ def generate_dataset(ov_model_dir, hf_model_dir, prompts_dir, out_dir, *, max_ne
     while pending or live:
         while pending and len(live) < batch and (deadline is None or time.time() < deadline):
             p, mode, rep = pending.pop()
-            pid = chat_prompt_ids(tok, p["turns"])[-max_prompt_tokens:]
+            pid = chat_prompt_ids(tok, p["turns"], p.get("replies", ()))[-max_prompt_tokens:]
             handle = pipe.add_request(next_id, ov.Tensor(np.array([pid], dtype=np.int64)),
                                       _gen_config(mode, rep, p["id"], max_new_tokens, eos))
             live[next_id] = (handle, p, mode, rep, pid, [])
@@ -296,7 +303,7 @@ def generate_dataset_torch(hf_model_dir, prompts_dir, out_dir, *, max_new_tokens
         # one generation config per batch: the contiguous run of this (mode, rep), at most `batch`
         group = list(itertools.takewhile(lambda w: w[1:] == (mode, rep), work[i:i + batch]))
         i += len(group)
-        ids = [chat_prompt_ids(tok, p["turns"])[-max_prompt_tokens:] for p, _, _ in group]
+        ids = [chat_prompt_ids(tok, p["turns"], p.get("replies", ()))[-max_prompt_tokens:] for p, _, _ in group]
         width = max(map(len, ids))
         input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
         attn = torch.zeros((len(ids), width), dtype=torch.long)

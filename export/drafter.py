@@ -34,6 +34,9 @@ WEIGHTS_NAME = "model.safetensors"
 # config.json key (kept in DrafterConfig.extra): the fraction of training blocks cut short
 # (`ovdflash train --short-blocks`); the exporter then lets the runtime draft exact-length blocks
 SHORT_BLOCKS_KEY = "ovdflash_short_blocks"
+# config.json key (kept in DrafterConfig.extra): the seed of the validation split its training
+# held back (train.py); a warm start from the checkpoint validates on the same prompts
+VAL_SEED_KEY = "ovdflash_val_seed"
 
 
 def build_target_layer_ids(num_target_layers: int, n: int) -> list[int]:

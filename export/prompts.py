@@ -12,6 +12,20 @@ Sources (all offline):
   its `coding` category goes to code, `math` to math, the rest to chat;
 - the project's own templated lists below (code tasks, GSM8K-style word problems, general chat).
 Run: `python -m ovdflash_export.prompts --out models/prompts`.
+
+Follow-ups (a second pool, `build_followup_pool(data_dir, prompts_dir, hf_model_dir, out_dir)`):
+every finished response stored in a data directory (greedy or sampled, at most
+`max_reply_tokens` long) to a *train* prompt becomes the first exchange of a new prompt, whose
+second user turn is one of the domain's follow-up requests below (`turns` [question, follow-up],
+`replies` [that response]; data.chat_prompt_ids templates both). The target's answer to it is new
+data: a reply conditioned on a conversation, as MT-Bench's second turns are, from a pool whose
+first turns are exhausted. Eval prompts never enter: only `train_*` prompt ids are used.
+Applied to a follow-up pool and its data directory, it adds a third turn the same way (the
+earlier exchange kept; the new request differs from the earlier one); conversations longer than
+`max_conversation_tokens` (prompt + reply) are skipped, so no prompt gets cut.
+Rows are shuffled (fixed seed), so a generation stopped early still covers every source.
+Run: `python -m ovdflash_export.prompts --followups-from models/smollm2/data --hf-model HF_DIR
+--out models/prompts_followup`.
 """
 from __future__ import annotations
 
@@ -404,6 +418,69 @@ def build_prompt_pool(out_dir, cache_dir=None) -> dict:
     return counts
 
 
+# ------------------------------------------------------------------ follow-ups
+FOLLOW_UPS = {
+    "code": ["Can you add comments that explain each step?", "Write a few test cases for this code.",
+             "Can you make it more efficient?", "What is the time complexity of this solution?",
+             "Explain how the code works, line by line.", "How should it handle invalid input?",
+             "Rewrite it in a different way.", "Can you write the same thing in JavaScript?",
+             "Can you give an example of how to call it?", "What are the edge cases here?"],
+    "math": ["Can you check the answer another way?", "Explain the steps more simply.",
+             "What if all the numbers were doubled?", "Write the solution as a single equation.",
+             "What is a common mistake when solving this kind of problem?",
+             "Make up a similar problem and solve it.", "Explain it to a ten-year-old.",
+             "Can you show the calculation step by step?"],
+    "chat": ["Can you make that shorter?", "Can you give me an example?", "Tell me more about the first point.",
+             "Can you explain that to a five-year-old?", "Summarize your answer in three bullet points.",
+             "Where can I learn more about this?", "Can you say that in a more formal tone?",
+             "What would someone who disagrees say?", "Thanks! Can you add one more idea?",
+             "Can you turn that into a short poem?"],
+}
+
+
+def build_followup_pool(data_dir, prompts_dir, hf_model_dir, out_dir, max_reply_tokens: int = 256,
+                        max_conversation_tokens: int = 512, seed: int = SEED) -> dict:
+    """Write train_<domain>.jsonl follow-up prompts into out_dir (module docstring); returns counts."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from .data import load_sequences
+
+    tok = AutoTokenizer.from_pretrained(str(hf_model_dir))
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    train = {}
+    for d in DOMAINS:
+        for r in load_prompts(Path(prompts_dir) / f"train_{d}.jsonl"):
+            train[r["id"]] = r
+    rng = random.Random(seed)
+    rows = {d: [] for d in DOMAINS}
+    for s in load_sequences(data_dir):
+        first = train.get(s.prompt_id)
+        reply = np.asarray(s.tokens[s.prompt_len:]).tolist()
+        # only whole answers to train prompts: a cut-off reply would teach continuing mid-thought;
+        # and a conversation short enough that its next prompt is not cut (data: max_prompt_tokens)
+        if (first is None or not reply or reply[-1] != eos or len(reply) > max_reply_tokens
+                or len(s.tokens) > max_conversation_tokens):
+            continue
+        text = tok.decode(reply[:-1], skip_special_tokens=False).strip()
+        earlier = first.get("replies", [])
+        asked = first["turns"][:len(earlier) + 1]
+        ask = rng.choice([f for f in FOLLOW_UPS[s.domain] if f not in asked])
+        source = first["source"] if first["source"].startswith("followup-") else f"followup-{first['source']}"
+        rows[s.domain].append({"id": f"fu-{s.prompt_id}-{s.mode}{s.offset}", "domain": s.domain,
+                               "source": source, "turns": asked + [ask], "replies": earlier + [text]})
+    counts = {}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for d in DOMAINS:
+        rng.shuffle(rows[d])
+        with open(out_dir / f"train_{d}.jsonl", "w") as f:
+            for r in rows[d]:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        counts[f"train_{d}.jsonl"] = len(rows[d])
+    return counts
+
+
 def load_prompts(path) -> list[dict]:
     with open(path) as f:
         return [json.loads(l) for l in f if l.strip()]
@@ -415,5 +492,18 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="models/prompts")
     ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--followups-from", default=None, metavar="DATA_DIR",
+                    help="write the follow-up pool from this data directory's responses instead")
+    ap.add_argument("--prompts", default="models/prompts", help="with --followups-from: the first turns' pool")
+    ap.add_argument("--hf-model", default=None, help="with --followups-from: the target's HF directory (tokenizer)")
+    ap.add_argument("--max-reply-tokens", type=int, default=256)
+    ap.add_argument("--max-conversation-tokens", type=int, default=512,
+                    help="skip stored conversations (prompt + reply) longer than this")
     args = ap.parse_args()
-    print(json.dumps(build_prompt_pool(args.out, args.cache_dir), indent=1))
+    if args.followups_from:
+        if not args.hf_model:
+            ap.error("--followups-from needs --hf-model (the tokenizer that decodes the stored replies)")
+        print(json.dumps(build_followup_pool(args.followups_from, args.prompts, args.hf_model, args.out,
+                                             args.max_reply_tokens, args.max_conversation_tokens), indent=1))
+    else:
+        print(json.dumps(build_prompt_pool(args.out, args.cache_dir), indent=1))

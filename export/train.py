@@ -33,6 +33,8 @@ Contract:
 - Resumable and deterministic: batches and anchors at step t come from RNG seeded (seed, t), and
   `train_state.pt` holds model, optimizer, step, elapsed time, scales and the vocab subset. A run
   resumed from a checkpoint reproduces the uninterrupted run's losses.
+- Validation split: whole prompts, drawn with `val_seed` (recorded in the saved config as
+  `ovdflash_val_seed` and inherited by a warm start from it), not with `seed`.
 - Validation: loss, per-slot top-1 accuracy (full vocabulary argmax) and a teacher-forced
   acceptance estimate tau = 1 + mean number of leading correct slots per full block, per domain
   (`evaluate(block_len=L)`, `ovdflash train --evaluate-only --eval-block-len L`: of blocks of L).
@@ -51,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import Sequence, load_sequences
-from .drafter import SHORT_BLOCKS_KEY, DFlashDrafter, DrafterConfig, build_target_layer_ids, drafter_num_params
+from .drafter import SHORT_BLOCKS_KEY, VAL_SEED_KEY, DFlashDrafter, DrafterConfig, build_target_layer_ids, drafter_num_params
 
 STATE_NAME = "train_state.pt"
 LOG_NAME = "train_log.jsonl"
@@ -98,6 +100,11 @@ class TrainConfig:
     save_every_s: float = 180.0
     feature_cache_gb: float = 4.0
     seed: int = 0
+    # the seed of the validation split (which whole prompts are held back), kept apart from `seed`
+    # so that a continuation with another seed validates on the same prompts. None: the split its
+    # `init_from` checkpoint recorded (config key `ovdflash_val_seed`), else `seed`. A warm start
+    # that validated on other prompts would score sequences its parent trained on (TRAINING.md, run 10).
+    val_seed: int | None = None
     stop_after_steps: int | None = None  # end this invocation early (schedule unchanged), as a kill would
     # labels = the target's own greedy chain (see build_batch); needed for teacher-forced text data
     relabel: bool = True
@@ -455,6 +462,18 @@ def split_train_val(seqs: list[Sequence], fraction: float, seed: int):
     return train, val
 
 
+def inherited_val_seed(init_from: str | None, seed: int, log) -> int:
+    """The validation-split seed of a run that gave none: its warm start's recorded one, else `seed`."""
+    if not init_from:
+        return seed
+    recorded = json.loads((Path(init_from) / "config.json").read_text()).get(VAL_SEED_KEY)
+    if recorded is None:
+        log(f"warning: --init-from {init_from} records no validation split ({VAL_SEED_KEY}); validating with "
+            f"seed {seed}, whose prompts it may have trained on (give --val-seed to choose)")
+        return seed
+    return int(recorded)
+
+
 def interleave_sources(idxs: list[int], source: list[int], seed: int) -> list[int]:
     """`idxs` reordered: each source's items shuffled, then dealt round-robin across sources."""
     rng = np.random.default_rng(seed)
@@ -627,6 +646,7 @@ def train(cfg: TrainConfig, log=print) -> Path:
                   "anchors_per_seq", "batch_seqs", "max_len", "seed", "gamma", "vocab_subset", "feature_scaling",
                   "ce_vocab_size", "short_blocks"):
             setattr(cfg, k, saved.get(k, getattr(cfg, k)))
+        cfg.val_seed = saved.get("val_seed", saved.get("seed"))
 
     tcfg = json.loads((Path(cfg.target) / "config.json").read_text())
     n_target = int(tcfg["num_hidden_layers"])
@@ -651,6 +671,9 @@ def train(cfg: TrainConfig, log=print) -> Path:
         mask_token_id=cfg.mask_token_id, num_target_layers=n_target)
     if cfg.short_blocks > 0:
         dcfg.extra[SHORT_BLOCKS_KEY] = cfg.short_blocks  # the exporter reads it (manifest "draft_pass")
+    if cfg.val_seed is None:
+        cfg.val_seed = inherited_val_seed(cfg.init_from, cfg.seed, log)
+    dcfg.extra[VAL_SEED_KEY] = cfg.val_seed
     drafter = DFlashDrafter(dcfg).init_weights(cfg.seed)
     with torch.no_grad():
         init = cfg.final_norm_init
@@ -678,7 +701,7 @@ def train(cfg: TrainConfig, log=print) -> Path:
             loaded_counts[k] = len(loaded)
         if not all_seqs:
             raise ValueError(f"no training sequences in {cfg.data_dirs}")
-        tr, va = split_train_val(all_seqs, cfg.val_fraction, cfg.seed)
+        tr, va = split_train_val(all_seqs, cfg.val_fraction, cfg.val_seed)
         if not tr:
             raise ValueError("validation split took every sequence")
         is_train = set(tr)

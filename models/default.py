@@ -30,14 +30,15 @@ STAMP_NAME = "ovdflash_default.json"
 # (docs/BENCHMARKS.md, run-4 drafter).
 TARGET_WEIGHT_FORMAT = "fp16"
 DRAFTER_WEIGHT_FORMAT = "int8"
-# The block size a call gets when it names none (the manifest's default_block_size): 2, one draft
-# a round. In four interleaved runs on these 2 cores (docs/BENCHMARKS.md, sessions 7-8) a fixed
-# block of 2 made 1.00-1.26x our AR's tokens/s on code, math and chat, and was the best of
-# blocks 2-4 and "auto", or within 4 % of it, in 10 of 12 set-runs (7-8 % behind in the other
-# two); "auto" made 0.91-1.35x: its choice between AR steps and drafting rests on cost
-# measurements that this VM's noise (the same call 30 % slower for minutes) keeps unsettled.
-# "auto" stays one --block-size away.
-DEFAULT_BLOCK_SIZE = 2
+# The block size a call gets when it names none (the manifest's default_block_size): 4, three
+# drafts a round. On the session-11 host (2 vCPU Zen 4, AVX-512; docs/BENCHMARKS.md session 11)
+# the paged target verifies 4 tokens as fast as 2 (19-21 against 19-23 ms), and in two
+# interleaved runs block 4 made 1.32-1.46x (code), 1.47-1.57x (math) and 1.12-1.16x (chat) the
+# best AR, ahead of block 2 in all six set-runs (1.09-1.18 / 1.11-1.26 / 0.93-1.02x). On the
+# sessions 7-10 host (Zen 3, AVX2) block 2 was the best fixed choice (10 of 12 set-runs against
+# blocks 3-4 and "auto"): there a 4-token verify cost ~40 % more than a 2-token one. "auto"
+# (1.41-1.49 / 1.69-1.78 / 1.02-1.11x here) measures the host's costs; it stays opt-in.
+DEFAULT_BLOCK_SIZE = 4
 # part of the export's fingerprint: bump it when the exported graphs change (2: GQA attention
 # without the K/V broadcast), so a cached default model is exported again
 EXPORT_RECIPE = f"target={TARGET_WEIGHT_FORMAT};drafter={DRAFTER_WEIGHT_FORMAT};graphs=2;block={DEFAULT_BLOCK_SIZE}"

@@ -44,7 +44,7 @@ Contract:
 - `measure_costs(target, drafter, prompt_ids, max_drafts, measured_drafts=None)` measures the two
   cost curves and the switch cost with real rounds of the engine (so the costs include accept,
   commit and the Python around them) for k = 0..measured_drafts and extends the curves linearly
-  to max_drafts: every input shape a compiled model has run keeps CPU-plugin memory (SmolLM2
+  to max_drafts (the verify curve's slope at least its mean over k = 0..measured): every input shape a compiled model has run keeps CPU-plugin memory (SmolLM2
   int8: calibrating k = 0..7 cost ~60 MB more than 0..2), and a verify costs about the same per
   extra token; a longer block is then first run only when the policy picks it, and
   `observe_round` corrects its estimate.
@@ -229,12 +229,18 @@ def measure_costs(target, drafter, prompt_ids: Sequence[int], max_drafts: int,
     step = nondecreasing([statistics.median(s) for s in steps])
     draft = [0.0] + nondecreasing([statistics.median(d) for d in drafts[1:]])
     switch = max(statistics.median(switch_excess), 0.0) if switch_excess else 0.0
-    return extend_linearly(step, max_drafts), extend_linearly(draft, max_drafts), switch
+    # Verifying one more token never costs nothing, but with paged attention 2-4 tokens cost about
+    # the same here (session 11: k = 1..3 pooled flat on a busy machine), and a flat extension
+    # made k = 7 look as cheap as k = 1, so "auto" opened every sequence with 8-token blocks. The
+    # extension's slope is at least the mean cost of a verified token over the measured range.
+    verify_slope = (step[-1] - step[0]) / (len(step) - 1) if len(step) > 1 else 0.0
+    return extend_linearly(step, max_drafts, verify_slope), extend_linearly(draft, max_drafts), switch
 
 
-def extend_linearly(curve: list[float], max_drafts: int) -> list[float]:
+def extend_linearly(curve: list[float], max_drafts: int, min_slope: float = 0.0) -> list[float]:
     """`curve` (k = 0..m) continued to k = max_drafts with its mean slope over k = 1..m (0 if
-    m < 2: k = 0 is no draft at all, so from one drafted point there is no slope to trust)."""
+    m < 2: k = 0 is no draft at all, so from one drafted point there is no slope to trust), and
+    at least `min_slope`."""
     m = len(curve) - 1
-    step = (curve[m] - curve[1]) / (m - 1) if m >= 2 else 0.0
+    step = max((curve[m] - curve[1]) / (m - 1) if m >= 2 else 0.0, min_slope)
     return curve + [curve[-1] + step * j for j in range(1, max_drafts + 2 - len(curve))]

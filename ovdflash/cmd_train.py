@@ -47,6 +47,9 @@ def _ids(text):
 @click.option("--save-every", "save_every_s", default=180.0, show_default=True, help="Seconds between checkpoints.")
 @click.option("--feature-cache-gb", default=4.0, show_default=True)
 @click.option("--seed", default=0, show_default=True)
+@click.option("--val-seed", type=int, default=None,
+              help="Seed of the validation split (held-back prompts); default: the one --init-from recorded, "
+                   "else --seed.")
 @click.option("--device", default="auto", show_default=True)
 @click.option("--threads", type=int, default=None)
 @click.option("--init-from", default=None, type=click.Path(exists=True, file_okay=False),
@@ -76,7 +79,7 @@ def _ids(text):
 @click.option("--evaluate-only", is_flag=True, help="Only print the tau estimate of the checkpoint in --out on --eval-data.")
 def train(target, data_dirs, eval_dirs, out_dir, state_dir, layers, block_size, target_layer_ids, num_features, mask_token_id,
           anchors, batch_seqs, max_len, lr, warmup_steps, max_steps, minutes, gamma, num_negatives, no_vocab_subset,
-          no_feature_scaling, val_every, new_per_step, reload_every, save_every_s, feature_cache_gb, seed, device, threads, init_from, no_relabel, features_root, kd_weight, draft_vocab_size,
+          no_feature_scaling, val_every, new_per_step, reload_every, save_every_s, feature_cache_gb, seed, val_seed, device, threads, init_from, no_relabel, features_root, kd_weight, draft_vocab_size,
           ce_vocab_size, short_blocks, eval_block_len, evaluate_only):
     """Distill a DFlash drafter for a target model."""
     try:
@@ -102,7 +105,7 @@ def train(target, data_dirs, eval_dirs, out_dir, state_dir, layers, block_size, 
                       minutes=minutes, gamma=gamma, num_negatives=num_negatives, vocab_subset=not no_vocab_subset,
                       feature_scaling=not no_feature_scaling, val_every=val_every, new_per_step=new_per_step, reload_every=reload_every,
                       save_every_s=save_every_s,
-                      feature_cache_gb=feature_cache_gb, seed=seed, device=device, threads=threads,
+                      feature_cache_gb=feature_cache_gb, seed=seed, val_seed=val_seed, device=device, threads=threads,
                       init_from=init_from, relabel=not no_relabel, features_root=features_root, kd_weight=kd_weight,
                       draft_vocab_size=draft_vocab_size, ce_vocab_size=ce_vocab_size, short_blocks=short_blocks)
     if kd_weight > 0 and not features_root:

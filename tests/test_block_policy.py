@@ -8,7 +8,7 @@ import pytest
 
 from mock_models import MockDrafter, MockTarget
 from ovdflash import STRICT_F32, DFlashPipeline
-from ovdflash.block_policy import BlockPolicy, measure_costs, nondecreasing
+from ovdflash.block_policy import BlockPolicy, extend_linearly, measure_costs, nondecreasing
 from ovdflash.engine import generate
 from ovdflash.sampling import SamplingParams
 from ovdflash.stats import GenerationStats
@@ -304,12 +304,24 @@ def test_measure_costs_runs_only_the_measured_shapes_and_extends_the_slope():
     step, draft, _ = measure_costs(target, drafter, prompt, max_drafts=7, repetitions=3, measured_drafts=2)
     assert len(step) == len(draft) == 8 and draft[0] == 0.0
     assert max(target.lengths[1:]) <= 3  # after the prompt: at most 2 drafts + the last token per verify
-    slope = step[2] - step[1]
+    slope = max(step[2] - step[1], (step[2] - step[0]) / 2)  # at least the mean over k = 0..2
+    assert slope > 0
     assert step[7] == pytest.approx(step[2] + 5 * slope) and step[4] == pytest.approx(step[2] + 2 * slope)
     assert draft[7] == pytest.approx(draft[2] + 5 * (draft[2] - draft[1]))
-    # one drafted point has no slope: flat
+    # one drafted point: the drafter's curve has no slope (flat), the verify curve keeps k = 0..1's
     step1, draft1, _ = measure_costs(target, drafter, prompt, max_drafts=4, repetitions=1, measured_drafts=1)
-    assert step1[2:] == [step1[1]] * 3 and draft1[2:] == [draft1[1]] * 3
+    assert draft1[2:] == [draft1[1]] * 3
+    assert step1[2:] == pytest.approx([step1[1] + j * (step1[1] - step1[0]) for j in (1, 2, 3)])
+
+
+def test_a_flat_measured_verify_curve_still_extends_upwards():
+    # session 11, paged runner on a busy machine: k = 1..3 pooled to one value; extended flat,
+    # an 8-token block looked as cheap as a 2-token one and "auto" opened with k = 7
+    assert extend_linearly([0.020, 0.028, 0.028, 0.028], 5) == pytest.approx([0.020, 0.028, 0.028, 0.028] + [0.028] * 2)
+    step = extend_linearly([0.020, 0.028, 0.028, 0.028], 5, min_slope=0.008 / 3)
+    assert step[4:] == pytest.approx([0.028 + 0.008 / 3, 0.028 + 0.016 / 3])
+    policy = BlockPolicy(step, [0.0] + [0.005] * 5)
+    assert policy.choose(5) < 5  # at the prior acceptance 0.5 the long blocks no longer look free
 
 
 def test_measure_costs_recovers_the_cost_curve_and_leaves_runners_reusable():

@@ -94,3 +94,93 @@ def test_torch_generator_matches_unbatched_greedy_and_resumes(tmp_path):
     generate_dataset_torch(target, prompts, out, max_new_tokens=10, batch=5, sample_reps=1, device="cpu",
                            log=lambda s: None)
     assert (out / "tokens.bin").stat().st_size == n_before
+
+
+def test_chat_prompt_ids_carry_the_earlier_exchange(tmp_path):
+    import pytest
+    from transformers import AutoTokenizer
+
+    from ovdflash_export.data import chat_prompt_ids
+    from ovdflash_export.tiny import make_tiny_target
+
+    tok = AutoTokenizer.from_pretrained(str(make_tiny_target("llama", tmp_path / "t", vocab_size=512,
+                                                             num_hidden_layers=1)))
+    first = chat_prompt_ids(tok, ["add two numbers", "now in C"])
+    assert first == chat_prompt_ids(tok, ["add two numbers"])  # no reply: the first turn only
+    follow = tok.decode(chat_prompt_ids(tok, ["add two numbers", "now in C"], ["def add(a, b): return a + b"]))
+    assert follow.index("add two numbers") < follow.index("def add(a, b)") < follow.index("now in C")
+    assert follow.count("<|im_start|>assistant") == 2 and follow.endswith("<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="user turn after its 1 replies"):
+        chat_prompt_ids(tok, ["q"], ["a"])
+
+
+def _tiny_tokenizer(tmp_path):
+    """(tiny target directory, its HF tokenizer, the <|im_end|> id)."""
+    from transformers import AutoTokenizer
+
+    from ovdflash_export.tiny import make_tiny_target
+
+    target = make_tiny_target("llama", tmp_path / "t", vocab_size=512, num_hidden_layers=1)
+    tok = AutoTokenizer.from_pretrained(str(target))
+    return target, tok, tok.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_followup_pool_takes_whole_replies_to_train_prompts_only(tmp_path):
+    from ovdflash_export.prompts import FOLLOW_UPS, build_followup_pool, load_prompts
+
+    target, tok, eos = _tiny_tokenizer(tmp_path)
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    for d in ("code", "math", "chat"):
+        (prompts / f"train_{d}.jsonl").write_text(json.dumps({"id": f"{d}0", "domain": d, "source": "s",
+                                                               "turns": [f"{d} question"]}) + "\n")
+    w = ShardWriter(tmp_path / "data")
+    reply = tok("the answer", add_special_tokens=False)["input_ids"]
+    w.append([1, 2] + reply + [eos], 2, "code", "greedy", "code0", 0, True)        # kept
+    w.append([1, 2] + reply + [eos], 2, "code", "sample", "code0", 1, True)        # kept: another reply
+    w.append([1, 2] + reply, 2, "math", "greedy", "math0", 0, False)               # cut off: dropped
+    w.append([1, 2] + reply * 40 + [eos], 2, "chat", "greedy", "chat0", 0, True)   # too long: dropped
+    w.append([1, 2] + reply + [eos], 2, "chat", "greedy", "chat-eval-0", 0, True)  # not a train prompt
+    counts = build_followup_pool(tmp_path / "data", prompts, target, tmp_path / "fu", max_reply_tokens=20)
+    assert counts == {"train_code.jsonl": 2, "train_math.jsonl": 0, "train_chat.jsonl": 0}
+    rows = load_prompts(tmp_path / "fu" / "train_code.jsonl")
+    assert len({r["id"] for r in rows}) == 2
+    for r in rows:
+        assert r["turns"][0] == "code question" and r["turns"][1] in FOLLOW_UPS["code"]
+        assert r["replies"] == [tok.decode(reply).strip()] and r["source"] == "followup-s"
+
+
+def test_a_followup_of_a_followup_keeps_the_whole_conversation(tmp_path):
+    from ovdflash_export.prompts import build_followup_pool, load_prompts
+
+    target, tok, eos = _tiny_tokenizer(tmp_path)
+    pool = tmp_path / "fu"
+    pool.mkdir()
+    second = {"id": "fu-q0", "domain": "chat", "source": "followup-s", "turns": ["q", "Can you make that shorter?"],
+              "replies": ["a long answer"]}
+    for d in ("code", "math", "chat"):
+        (pool / f"train_{d}.jsonl").write_text(json.dumps(second) + "\n" if d == "chat" else "")
+    w = ShardWriter(tmp_path / "data")
+    reply = tok("short", add_special_tokens=False)["input_ids"]
+    w.append([1] * 30 + reply + [eos], 30, "chat", "greedy", "fu-q0", 0, True)
+    w.append([1] * 30 + reply + [eos], 30, "chat", "sample", "fu-q0", 1, True)
+    counts = build_followup_pool(tmp_path / "data", pool, target, tmp_path / "fu3", max_conversation_tokens=40)
+    assert counts["train_chat.jsonl"] == 2
+    for r in load_prompts(tmp_path / "fu3" / "train_chat.jsonl"):
+        assert r["turns"][:2] == second["turns"] and r["turns"][2] != second["turns"][1]
+        assert r["replies"] == ["a long answer", tok.decode(reply).strip()] and r["source"] == "followup-s"
+    # a conversation longer than the cap is skipped: its next prompt would be cut
+    assert build_followup_pool(tmp_path / "data", pool, target, tmp_path / "fu3b",
+                               max_conversation_tokens=30)["train_chat.jsonl"] == 0
+
+
+def test_shipped_followup_pools_hold_no_eval_prompt():
+    for name, turns in (("prompts_followup", 2), ("prompts_followup3", 3)):
+        for d in ("code", "math", "chat"):
+            rows = [json.loads(l) for l in open(PROMPTS.parent / name / f"train_{d}.jsonl")]
+            train_firsts = {r["turns"][0] for r in _rows(f"train_{d}.jsonl")}
+            assert len(rows) >= 500
+            assert {r["turns"][0] for r in rows} <= train_firsts
+            assert not {r["turns"][0] for r in rows} & {r["turns"][0] for r in _rows(f"eval_{d}.jsonl")}
+            assert all(len(r["turns"]) == turns and len(r["replies"]) == turns - 1 and all(r["replies"])
+                       for r in rows)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ovdflash_export.data import ShardWriter, load_sequences
-from ovdflash_export.drafter import DFlashDrafter
+from ovdflash_export.drafter import VAL_SEED_KEY, DFlashDrafter
 from ovdflash_export.tiny import make_tiny_target
 from ovdflash_export.train import (STATE_NAME, FrozenTarget, TrainConfig, chain_labels, most_used_ids, slot_weights,
                                    soft_ce, split_train_val, train)
@@ -121,6 +121,45 @@ def test_warm_start_loads_the_checkpoint_and_checks_geometry(tiny_setup):
     assert _losses(warm1)[0] < 0.9 * _losses(fresh)[0]  # starts where the source run ended, not from scratch
     with pytest.raises(ValueError, match="geometry"):
         train(_cfg(target, data, root / "run_bad", max_steps=1, block_size=3, init_from=str(src)), log=lambda s: None)
+
+
+def test_a_warm_start_with_another_seed_validates_on_its_parents_prompts(tiny_setup, monkeypatch):
+    import ovdflash_export.train as train_mod
+
+    target, data, root = tiny_setup
+    split_seeds = []
+    real_split = train_mod.split_train_val
+    monkeypatch.setattr(train_mod, "split_train_val",
+                        lambda seqs, fraction, seed: split_seeds.append(seed) or real_split(seqs, fraction, seed))
+    parent = root / "run_val_parent"
+    train(_cfg(target, data, parent, max_steps=1, seed=3), log=lambda s: None)
+    assert json.loads((parent / "config.json").read_text())[VAL_SEED_KEY] == 3
+    seqs = load_sequences(data)
+    # the two seeds hold back different prompts here, so inheriting the split is what the test sees
+    assert real_split(seqs, 0.15, 3)[1] != real_split(seqs, 0.15, 4)[1]
+    split_seeds.clear()
+    child = root / "run_val_child"
+    train(_cfg(target, data, child, max_steps=1, seed=4, init_from=str(parent)), log=lambda s: None)
+    assert split_seeds and set(split_seeds) == {3}
+    assert json.loads((child / "config.json").read_text())[VAL_SEED_KEY] == 3
+    split_seeds.clear()
+    train(_cfg(target, data, root / "run_val_own", max_steps=1, seed=4, val_seed=5, init_from=str(parent)),
+          log=lambda s: None)
+    assert set(split_seeds) == {5}
+    # a parent that recorded no split: the run says so and falls back to its own seed
+    legacy = root / "run_val_legacy"
+    legacy.mkdir()
+    for name in ("model.safetensors",):
+        (legacy / name).write_bytes((parent / name).read_bytes())
+    cfg = json.loads((parent / "config.json").read_text())
+    del cfg[VAL_SEED_KEY]
+    (legacy / "config.json").write_text(json.dumps(cfg))
+    lines = []
+    split_seeds.clear()
+    train(_cfg(target, data, root / "run_val_from_legacy", max_steps=1, seed=4, init_from=str(legacy)),
+          log=lines.append)
+    assert set(split_seeds) == {4}
+    assert any("records no validation split" in l for l in lines)
 
 
 def test_a_warm_start_may_grow_the_layer_count_without_changing_the_drafts(tiny_setup):
