@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -451,14 +452,26 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+_FOLLOW_UP_ID = re.compile(r"^fu-(.+)-(?:greedy|sample)\d+$")
+
+
+def root_prompt_id(prompt_id: str) -> str:
+    """The first-turn prompt a follow-up prompt (prompts.build_followup_pool: `fu-<id>-<mode><offset>`,
+    nested for later turns) continues; a first-turn id is its own root."""
+    while (m := _FOLLOW_UP_ID.match(prompt_id)):
+        prompt_id = m.group(1)
+    return prompt_id
+
+
 def split_train_val(seqs: list[Sequence], fraction: float, seed: int):
-    """Validation = whole prompts (every mode/rep of a prompt stays on one side)."""
+    """Validation = whole prompts (every mode/rep of a prompt stays on one side), a follow-up on
+    its root prompt's side: it carries that prompt's reply in its context."""
     import zlib
 
-    ids = sorted({s.prompt_id for s in seqs})
-    val_ids = {p for p in ids if (zlib.crc32(f"{seed}:{p}".encode()) % 10_000) < fraction * 10_000}
-    train = [i for i, s in enumerate(seqs) if s.prompt_id not in val_ids]
-    val = [i for i, s in enumerate(seqs) if s.prompt_id in val_ids]
+    roots = [root_prompt_id(s.prompt_id) for s in seqs]
+    val_ids = {p for p in set(roots) if (zlib.crc32(f"{seed}:{p}".encode()) % 10_000) < fraction * 10_000}
+    train = [i for i, r in enumerate(roots) if r not in val_ids]
+    val = [i for i, r in enumerate(roots) if r in val_ids]
     return train, val
 
 

@@ -34,7 +34,8 @@ DRAFTER_WEIGHT_FORMAT = "int8"
 # drafts a round. On the session-11 host (2 vCPU Zen 4, AVX-512; docs/BENCHMARKS.md session 11)
 # the paged target verifies 4 tokens as fast as 2 (19-21 against 19-23 ms), and in two
 # interleaved runs block 4 made 1.32-1.46x (code), 1.47-1.57x (math) and 1.12-1.16x (chat) the
-# best AR, ahead of block 2 in all six set-runs (1.09-1.18 / 1.11-1.26 / 0.93-1.02x). On the
+# best AR, ahead of block 2 in all six set-runs (1.09-1.18 / 1.11-1.26 / 0.93-1.02x), and in a
+# third run beside data generation (1.61 / 1.60 / 1.22x against 1.22 / 1.27 / 1.07x). On the
 # sessions 7-10 host (Zen 3, AVX2) block 2 was the best fixed choice (10 of 12 set-runs against
 # blocks 3-4 and "auto"): there a 4-token verify cost ~40 % more than a 2-token one. "auto"
 # (1.41-1.49 / 1.69-1.78 / 1.02-1.11x here) measures the host's costs; it stays opt-in.

@@ -390,3 +390,21 @@ def test_distillation_without_precomputed_features_is_refused(tiny_setup, tmp_pa
     with pytest.raises(ValueError, match="features_root"):
         train(_cfg(target, data, tmp_path / "kd", max_steps=1, kd_weight=0.5), log=lambda s: None)
     assert not (tmp_path / "kd").exists()  # refused before anything is written
+
+
+def test_a_followup_is_validated_or_trained_with_its_root_prompt():
+    from ovdflash_export.data import Sequence
+    from ovdflash_export.train import root_prompt_id
+
+    assert root_prompt_id("fu-fu-HumanEval-134-sample1284770-greedy529362") == "HumanEval-134"
+    assert root_prompt_id("selfchat-topic-87") == "selfchat-topic-87"
+    roots = [f"selfcode-func-{i}" for i in range(40)]
+    ids = roots + [f"fu-{r}-greedy{10 * i}" for i, r in enumerate(roots)] + [f"fu-fu-{r}-sample7-greedy{i}" for i, r in enumerate(roots)]
+    seqs = [Sequence(np.arange(4), 2, "code", "greedy", p) for p in ids]
+    train_idx, val_idx = split_train_val(seqs, 0.25, seed=0)
+    assert val_idx and train_idx
+    held = {root_prompt_id(seqs[i].prompt_id) for i in val_idx}
+    assert not held & {root_prompt_id(seqs[i].prompt_id) for i in train_idx}
+    assert len(val_idx) == 3 * len(held)  # every held-back root takes its two follow-ups along
+    # adding follow-ups moves no first-turn prompt to the other side
+    assert split_train_val(seqs[:40], 0.25, seed=0)[1] == [i for i in val_idx if i < 40]
