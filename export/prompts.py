@@ -33,6 +33,7 @@ import gzip
 import io
 import json
 import random
+import re
 import subprocess
 import sys
 import zipfile
@@ -438,6 +439,22 @@ FOLLOW_UPS = {
 }
 
 
+_FOLLOW_UP_ID = re.compile(r"^fu-(.+)-(?:greedy|sample)\d+$")
+
+
+def followup_id(prompt_id: str, mode: str, offset: int) -> str:
+    """The id of a follow-up to the reply stored at `offset` (its `mode` pass) of prompt `prompt_id`."""
+    return f"fu-{prompt_id}-{mode}{offset}"
+
+
+def root_prompt_id(prompt_id: str) -> str:
+    """The first-turn prompt a follow-up prompt (`followup_id`, nested for later turns)
+    continues; a first-turn id is its own root."""
+    while (m := _FOLLOW_UP_ID.match(prompt_id)):
+        prompt_id = m.group(1)
+    return prompt_id
+
+
 def build_followup_pool(data_dir, prompts_dir, hf_model_dir, out_dir, max_reply_tokens: int = 256,
                         max_conversation_tokens: int = 512, seed: int = SEED) -> dict:
     """Write train_<domain>.jsonl follow-up prompts into out_dir (module docstring); returns counts."""
@@ -467,7 +484,7 @@ def build_followup_pool(data_dir, prompts_dir, hf_model_dir, out_dir, max_reply_
         asked = first["turns"][:len(earlier) + 1]
         ask = rng.choice([f for f in FOLLOW_UPS[s.domain] if f not in asked])
         source = first["source"] if first["source"].startswith("followup-") else f"followup-{first['source']}"
-        rows[s.domain].append({"id": f"fu-{s.prompt_id}-{s.mode}{s.offset}", "domain": s.domain,
+        rows[s.domain].append({"id": followup_id(s.prompt_id, s.mode, s.offset), "domain": s.domain,
                                "source": source, "turns": asked + [ask], "replies": earlier + [text]})
     counts = {}
     out_dir = Path(out_dir)

@@ -44,7 +44,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -54,7 +53,8 @@ import torch
 import torch.nn.functional as F
 
 from .data import Sequence, load_sequences
-from .drafter import SHORT_BLOCKS_KEY, VAL_SEED_KEY, DFlashDrafter, DrafterConfig, build_target_layer_ids, drafter_num_params
+from .drafter import CONFIG_NAME, SHORT_BLOCKS_KEY, VAL_SEED_KEY, DFlashDrafter, DrafterConfig, build_target_layer_ids, drafter_num_params
+from .prompts import root_prompt_id
 
 STATE_NAME = "train_state.pt"
 LOG_NAME = "train_log.jsonl"
@@ -452,17 +452,6 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-_FOLLOW_UP_ID = re.compile(r"^fu-(.+)-(?:greedy|sample)\d+$")
-
-
-def root_prompt_id(prompt_id: str) -> str:
-    """The first-turn prompt a follow-up prompt (prompts.build_followup_pool: `fu-<id>-<mode><offset>`,
-    nested for later turns) continues; a first-turn id is its own root."""
-    while (m := _FOLLOW_UP_ID.match(prompt_id)):
-        prompt_id = m.group(1)
-    return prompt_id
-
-
 def split_train_val(seqs: list[Sequence], fraction: float, seed: int):
     """Validation = whole prompts (every mode/rep of a prompt stays on one side), a follow-up on
     its root prompt's side: it carries that prompt's reply in its context."""
@@ -479,7 +468,7 @@ def inherited_val_seed(init_from: str | None, seed: int, log) -> int:
     """The validation-split seed of a run that gave none: its warm start's recorded one, else `seed`."""
     if not init_from:
         return seed
-    recorded = json.loads((Path(init_from) / "config.json").read_text()).get(VAL_SEED_KEY)
+    recorded = json.loads((Path(init_from) / CONFIG_NAME).read_text()).get(VAL_SEED_KEY)
     if recorded is None:
         log(f"warning: --init-from {init_from} records no validation split ({VAL_SEED_KEY}); validating with "
             f"seed {seed}, whose prompts it may have trained on (give --val-seed to choose)")

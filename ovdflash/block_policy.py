@@ -44,10 +44,10 @@ Contract:
 - `measure_costs(target, drafter, prompt_ids, max_drafts, measured_drafts=None)` measures the two
   cost curves and the switch cost with real rounds of the engine (so the costs include accept,
   commit and the Python around them) for k = 0..measured_drafts and extends the curves linearly
-  to max_drafts (the verify curve's slope at least its mean over k = 0..measured): every input shape a compiled model has run keeps CPU-plugin memory (SmolLM2
-  int8: calibrating k = 0..7 cost ~60 MB more than 0..2), and a verify costs about the same per
-  extra token; a longer block is then first run only when the policy picks it, and
-  `observe_round` corrects its estimate.
+  to max_drafts, the verify curve's slope at least its mean over k = 0..measured: every input
+  shape a compiled model has run keeps CPU-plugin memory (SmolLM2 int8: calibrating k = 0..7 cost
+  ~60 MB more than 0..2), and a verify costs about the same per extra token; a longer block is
+  then first run only when the policy picks it, and `observe_round` corrects its estimate.
 Any policy only changes how many tokens are verified, never which are kept: output stays
 identical to autoregressive decoding (greedy) or distributed as it (sampling).
 Pure python/numpy: no OpenVINO here.
@@ -233,7 +233,7 @@ def measure_costs(target, drafter, prompt_ids: Sequence[int], max_drafts: int,
     # the same here (session 11: k = 1..3 pooled flat on a busy machine), and a flat extension
     # made k = 7 look as cheap as k = 1, so "auto" opened every sequence with 8-token blocks. The
     # extension's slope is at least the mean cost of a verified token over the measured range.
-    verify_slope = (step[-1] - step[0]) / (len(step) - 1) if len(step) > 1 else 0.0
+    verify_slope = (step[-1] - step[0]) / (len(step) - 1)  # measured >= 1: two points at least
     return extend_linearly(step, max_drafts, verify_slope), extend_linearly(draft, max_drafts), switch
 
 

@@ -96,24 +96,6 @@ def test_torch_generator_matches_unbatched_greedy_and_resumes(tmp_path):
     assert (out / "tokens.bin").stat().st_size == n_before
 
 
-def test_chat_prompt_ids_carry_the_earlier_exchange(tmp_path):
-    import pytest
-    from transformers import AutoTokenizer
-
-    from ovdflash_export.data import chat_prompt_ids
-    from ovdflash_export.tiny import make_tiny_target
-
-    tok = AutoTokenizer.from_pretrained(str(make_tiny_target("llama", tmp_path / "t", vocab_size=512,
-                                                             num_hidden_layers=1)))
-    first = chat_prompt_ids(tok, ["add two numbers", "now in C"])
-    assert first == chat_prompt_ids(tok, ["add two numbers"])  # no reply: the first turn only
-    follow = tok.decode(chat_prompt_ids(tok, ["add two numbers", "now in C"], ["def add(a, b): return a + b"]))
-    assert follow.index("add two numbers") < follow.index("def add(a, b)") < follow.index("now in C")
-    assert follow.count("<|im_start|>assistant") == 2 and follow.endswith("<|im_start|>assistant\n")
-    with pytest.raises(ValueError, match="user turn after its 1 replies"):
-        chat_prompt_ids(tok, ["q"], ["a"])
-
-
 def _tiny_tokenizer(tmp_path):
     """(tiny target directory, its HF tokenizer, the <|im_end|> id)."""
     from transformers import AutoTokenizer
@@ -123,6 +105,21 @@ def _tiny_tokenizer(tmp_path):
     target = make_tiny_target("llama", tmp_path / "t", vocab_size=512, num_hidden_layers=1)
     tok = AutoTokenizer.from_pretrained(str(target))
     return target, tok, tok.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_chat_prompt_ids_carry_the_earlier_exchange(tmp_path):
+    import pytest
+
+    from ovdflash_export.data import chat_prompt_ids
+
+    _, tok, _ = _tiny_tokenizer(tmp_path)
+    first = chat_prompt_ids(tok, ["add two numbers", "now in C"])
+    assert first == chat_prompt_ids(tok, ["add two numbers"])  # no reply: the first turn only
+    follow = tok.decode(chat_prompt_ids(tok, ["add two numbers", "now in C"], ["def add(a, b): return a + b"]))
+    assert follow.index("add two numbers") < follow.index("def add(a, b)") < follow.index("now in C")
+    assert follow.count("<|im_start|>assistant") == 2 and follow.endswith("<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="user turn after its 1 replies"):
+        chat_prompt_ids(tok, ["q"], ["a"])
 
 
 def test_followup_pool_takes_whole_replies_to_train_prompts_only(tmp_path):

@@ -394,9 +394,10 @@ def test_distillation_without_precomputed_features_is_refused(tiny_setup, tmp_pa
 
 def test_a_followup_is_validated_or_trained_with_its_root_prompt():
     from ovdflash_export.data import Sequence
-    from ovdflash_export.train import root_prompt_id
+    from ovdflash_export.prompts import followup_id, root_prompt_id
 
     assert root_prompt_id("fu-fu-HumanEval-134-sample1284770-greedy529362") == "HumanEval-134"
+    assert root_prompt_id(followup_id(followup_id("HumanEval-134", "sample", 7), "greedy", 9)) == "HumanEval-134"
     assert root_prompt_id("selfchat-topic-87") == "selfchat-topic-87"
     roots = [f"selfcode-func-{i}" for i in range(40)]
     ids = roots + [f"fu-{r}-greedy{10 * i}" for i, r in enumerate(roots)] + [f"fu-fu-{r}-sample7-greedy{i}" for i, r in enumerate(roots)]
