@@ -33,6 +33,9 @@ Why: on 2 CPU cores the torch target forward was the slowest part of a training 
 the same computation every epoch. The OpenVINO int8 target is also what verifies the drafts at
 run time, so its features and greedy tokens are exactly what the drafter sees and must match.
 Run: `python -m ovdflash_export.features --model MODEL_DIR --data models/smollm2/data --out DIR`.
+`--inference-precision bf16` computes them 3.2x faster on an AMX CPU (features within ~0.3 %, greedy
+next tokens 99.2 % equal to f32's; TRAINING.md, run 11); `meta.json` records the precision, and a
+directory never mixes two.
 """
 from __future__ import annotations
 
@@ -188,6 +191,9 @@ def precompute_features(model_dir, data_dir, out_dir, max_len: int = 768, config
         for key in ("max_len", "width", "target_layer_ids"):
             if old[key] != meta[key]:
                 raise ValueError(f"{out_dir}: stored {key} {old[key]} differs from this run's {meta[key]}")
+        stored, now = old.get("compile", {}).get("INFERENCE_PRECISION_HINT"), meta["compile"].get("INFERENCE_PRECISION_HINT")
+        if stored != now:  # one directory, one precision: mixed rows would be a silent confound
+            raise ValueError(f"{out_dir}: stored inference precision {stored} differs from this run's {now}")
         if old.get("topk", 0) and old["topk"] != topk:
             raise ValueError(f"{out_dir}: stored topk {old['topk']} differs from this run's {topk}")
     meta_path.write_text(json.dumps(meta, indent=1))
@@ -303,17 +309,22 @@ if __name__ == "__main__":
     ap.add_argument("--minutes", type=float, default=None)
     ap.add_argument("--topk", type=int, default=0,
                     help="also store the K most likely next tokens and their log-probabilities (soft labels)")
+    ap.add_argument("--inference-precision", default=None, choices=["f32", "bf16", "f16"],
+                    help="override the runtime's INFERENCE_PRECISION_HINT (bf16 is ~3x faster on AMX CPUs; "
+                         "meta.json records it)")
     ap.add_argument("--fill-topk", action="store_true",
                     help="then compute the top-k of sequences stored without it (in place)")
     a = ap.parse_args()
     stop = time.time() + a.minutes * 60 if a.minutes else None
+    config = {"INFERENCE_PRECISION_HINT": a.inference_precision} if a.inference_precision else None
 
     def say(line):
         print(line, flush=True)
 
     for d in a.data:
         sub = Path(a.out) / Path(d).resolve().name
-        print(json.dumps(precompute_features(a.model, d, sub, a.max_len, deadline=stop, log=say, topk=a.topk)),
+        print(json.dumps(precompute_features(a.model, d, sub, a.max_len, config=config, deadline=stop, log=say,
+                                            topk=a.topk)),
               flush=True)
         if a.fill_topk:
-            print(json.dumps(fill_topk(a.model, d, sub, deadline=stop, log=say)), flush=True)
+            print(json.dumps(fill_topk(a.model, d, sub, config=config, deadline=stop, log=say)), flush=True)

@@ -52,6 +52,8 @@ def _ids(text):
                    "else --seed.")
 @click.option("--device", default="auto", show_default=True)
 @click.option("--threads", type=int, default=None)
+@click.option("--autocast", type=click.Choice(["none", "bf16"]), default="none", show_default=True,
+              help="Mixed precision for the drafter's training passes (bf16: faster on AMX CPUs and GPUs).")
 @click.option("--init-from", default=None, type=click.Path(exists=True, file_okay=False),
               help="Warm start from this drafter checkpoint (same geometry, or fewer layers: added layers start as "
                    "no-ops); a fresh optimizer and schedule.")
@@ -79,7 +81,7 @@ def _ids(text):
 @click.option("--evaluate-only", is_flag=True, help="Only print the tau estimate of the checkpoint in --out on --eval-data.")
 def train(target, data_dirs, eval_dirs, out_dir, state_dir, layers, block_size, target_layer_ids, num_features, mask_token_id,
           anchors, batch_seqs, max_len, lr, warmup_steps, max_steps, minutes, gamma, num_negatives, no_vocab_subset,
-          no_feature_scaling, val_every, new_per_step, reload_every, save_every_s, feature_cache_gb, seed, val_seed, device, threads, init_from, no_relabel, features_root, kd_weight, draft_vocab_size,
+          no_feature_scaling, val_every, new_per_step, reload_every, save_every_s, feature_cache_gb, seed, val_seed, device, threads, autocast, init_from, no_relabel, features_root, kd_weight, draft_vocab_size,
           ce_vocab_size, short_blocks, eval_block_len, evaluate_only):
     """Distill a DFlash drafter for a target model."""
     try:
@@ -105,7 +107,7 @@ def train(target, data_dirs, eval_dirs, out_dir, state_dir, layers, block_size, 
                       minutes=minutes, gamma=gamma, num_negatives=num_negatives, vocab_subset=not no_vocab_subset,
                       feature_scaling=not no_feature_scaling, val_every=val_every, new_per_step=new_per_step, reload_every=reload_every,
                       save_every_s=save_every_s,
-                      feature_cache_gb=feature_cache_gb, seed=seed, val_seed=val_seed, device=device, threads=threads,
+                      feature_cache_gb=feature_cache_gb, seed=seed, val_seed=val_seed, device=device, threads=threads, autocast=autocast,
                       init_from=init_from, relabel=not no_relabel, features_root=features_root, kd_weight=kd_weight,
                       draft_vocab_size=draft_vocab_size, ce_vocab_size=ce_vocab_size, short_blocks=short_blocks)
     if kd_weight > 0 and not features_root:

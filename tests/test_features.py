@@ -67,6 +67,9 @@ def test_resume_appends_only_new_sequences_and_cuts_a_torn_tail(pair_and_data, t
     assert [r["row"] for r in rows] == sorted(r["row"] for r in rows)
     with pytest.raises(ValueError, match="max_len"):
         precompute_features(model_dir, data, out, max_len=32, config=STRICT_F32, log=lambda s: None)
+    with pytest.raises(ValueError, match="inference precision"):  # one directory, one precision
+        precompute_features(model_dir, data, out, config={**STRICT_F32, "INFERENCE_PRECISION_HINT": "bf16"},
+                            log=lambda s: None)
 
 
 def test_precomputed_store_falls_back_for_unknown_sequences(pair_and_data, tmp_path):

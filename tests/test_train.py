@@ -409,3 +409,14 @@ def test_a_followup_is_validated_or_trained_with_its_root_prompt():
     assert len(val_idx) == 3 * len(held)  # every held-back root takes its two follow-ups along
     # adding follow-ups moves no first-turn prompt to the other side
     assert split_train_val(seqs[:40], 0.25, seed=0)[1] == [i for i in val_idx if i < 40]
+
+
+def test_bf16_autocast_training_learns_and_keeps_f32_weights(tiny_setup):
+    target, data, root = tiny_setup
+    out = root / "run_bf16"
+    train(_cfg(target, data, out, autocast="bf16"), log=lambda s: None)
+    losses = _losses(out)
+    assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:5])
+    assert {v.dtype for v in DFlashDrafter.from_pretrained(out).state_dict().values()} == {torch.float32}
+    with pytest.raises(ValueError, match="autocast 'fp8'"):
+        train(_cfg(target, data, root / "run_fp8", autocast="fp8", max_steps=1), log=lambda s: None)
