@@ -172,6 +172,15 @@ def _open_target(model_dir: Path, config: dict | None, k: int):
     return core.compile_model(model, "CPU", settings), settings, manifest
 
 
+def check_precision(out_dir: Path, stored_meta: dict, settings: dict) -> None:
+    """One directory, one inference precision: rows of two would be a silent confound."""
+    stored = stored_meta.get("compile", {}).get("INFERENCE_PRECISION_HINT")
+    now = settings.get("INFERENCE_PRECISION_HINT")
+    now = None if now is None else str(now)  # meta stores compile settings as strings
+    if stored != now:
+        raise ValueError(f"{out_dir}: stored inference precision {stored} differs from this run's {now}")
+
+
 def precompute_features(model_dir, data_dir, out_dir, max_len: int = 768, config: dict | None = None,
                         deadline: float | None = None, log=print, topk: int = 0) -> dict:
     """Append features and greedy predictions of every not-yet-stored sequence of `data_dir`."""
@@ -191,9 +200,7 @@ def precompute_features(model_dir, data_dir, out_dir, max_len: int = 768, config
         for key in ("max_len", "width", "target_layer_ids"):
             if old[key] != meta[key]:
                 raise ValueError(f"{out_dir}: stored {key} {old[key]} differs from this run's {meta[key]}")
-        stored, now = old.get("compile", {}).get("INFERENCE_PRECISION_HINT"), meta["compile"].get("INFERENCE_PRECISION_HINT")
-        if stored != now:  # one directory, one precision: mixed rows would be a silent confound
-            raise ValueError(f"{out_dir}: stored inference precision {stored} differs from this run's {now}")
+        check_precision(out_dir, old, settings)
         if old.get("topk", 0) and old["topk"] != topk:
             raise ValueError(f"{out_dir}: stored topk {old['topk']} differs from this run's {topk}")
     meta_path.write_text(json.dumps(meta, indent=1))
@@ -262,7 +269,8 @@ def fill_topk(model_dir, data_dir, out_dir, config: dict | None = None, deadline
     log(f"{len(todo)} sequences without top-k in {out_dir}")
     if not todo:
         return {"filled": 0, "tokens": 0, "seconds": 0.0}
-    compiled, _, _ = _open_target(model_dir, config, ff.topk)
+    compiled, settings, _ = _open_target(model_dir, config, ff.topk)
+    check_precision(out_dir, ff.meta, settings)
     request = compiled.create_infer_request()
     tokens = np.fromfile(data_dir / "tokens.bin", dtype=np.uint16)
     n = ff.feats.shape[0]

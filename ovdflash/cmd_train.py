@@ -53,7 +53,7 @@ def _ids(text):
 @click.option("--device", default="auto", show_default=True)
 @click.option("--threads", type=int, default=None)
 @click.option("--autocast", type=click.Choice(["none", "bf16"]), default="none", show_default=True,
-              help="Mixed precision for the drafter's training passes (bf16: faster on AMX CPUs and GPUs).")
+              help="Mixed precision for the drafter's training passes (bf16: ~1.3x a step measured on an AMX CPU).")
 @click.option("--init-from", default=None, type=click.Path(exists=True, file_okay=False),
               help="Warm start from this drafter checkpoint (same geometry, or fewer layers: added layers start as "
                    "no-ops); a fresh optimizer and schedule.")
