@@ -439,12 +439,17 @@ FOLLOW_UPS = {
 }
 
 
-_FOLLOW_UP_ID = re.compile(r"^fu-(.+)-(?:greedy|sample)\d+$")
+_FOLLOW_UP_ID = re.compile(r"^fu\d*-(.+)-(?:greedy|sample)\d+$")
 
 
-def followup_id(prompt_id: str, mode: str, offset: int) -> str:
-    """The id of a follow-up to the reply stored at `offset` (its `mode` pass) of prompt `prompt_id`."""
-    return f"fu-{prompt_id}-{mode}{offset}"
+def followup_id(prompt_id: str, mode: str, offset: int, variant: int = 0) -> str:
+    """The id of a follow-up to the reply stored at `offset` (its `mode` pass) of prompt `prompt_id`;
+    `variant` > 0 tags a pool that asks the same replies other requests (`fu<variant>-...`)."""
+    return f"fu{variant or ''}-{prompt_id}-{mode}{offset}"
+
+
+def _conversation_key(turns: list[str], replies: list[str]) -> str:
+    return json.dumps([turns, replies], ensure_ascii=False)
 
 
 def root_prompt_id(prompt_id: str) -> str:
@@ -456,8 +461,12 @@ def root_prompt_id(prompt_id: str) -> str:
 
 
 def build_followup_pool(data_dir, prompts_dir, hf_model_dir, out_dir, max_reply_tokens: int = 256,
-                        max_conversation_tokens: int = 512, seed: int = SEED) -> dict:
-    """Write train_<domain>.jsonl follow-up prompts into out_dir (module docstring); returns counts."""
+                        max_conversation_tokens: int = 512, seed: int = SEED, variant: int = 0,
+                        avoid_pools: tuple = ()) -> dict:
+    """Write train_<domain>.jsonl follow-up prompts into out_dir (module docstring); returns counts.
+    `avoid_pools`: earlier follow-up pools of the same data; a request one of them already put to a
+    conversation is not drawn again for it, and a conversation left with no new request is skipped.
+    `variant` tags the ids (`followup_id`), so such a pool's ids never collide with the earlier ones."""
     import numpy as np
     from transformers import AutoTokenizer
 
@@ -469,6 +478,12 @@ def build_followup_pool(data_dir, prompts_dir, hf_model_dir, out_dir, max_reply_
     for d in DOMAINS:
         for r in load_prompts(Path(prompts_dir) / f"train_{d}.jsonl"):
             train[r["id"]] = r
+    asked_before: dict[str, set] = {}
+    for pool in avoid_pools:
+        for d in DOMAINS:
+            path = Path(pool) / f"train_{d}.jsonl"
+            for r in load_prompts(path) if path.exists() else []:
+                asked_before.setdefault(_conversation_key(r["turns"][:-1], r["replies"]), set()).add(r["turns"][-1])
     rng = random.Random(seed)
     rows = {d: [] for d in DOMAINS}
     for s in load_sequences(data_dir):
@@ -482,10 +497,15 @@ def build_followup_pool(data_dir, prompts_dir, hf_model_dir, out_dir, max_reply_
         text = tok.decode(reply[:-1], skip_special_tokens=False).strip()
         earlier = first.get("replies", [])
         asked = first["turns"][:len(earlier) + 1]
-        ask = rng.choice([f for f in FOLLOW_UPS[s.domain] if f not in asked])
+        replies = earlier + [text]
+        used = asked_before.get(_conversation_key(asked, replies), set())
+        choices = [f for f in FOLLOW_UPS[s.domain] if f not in asked and f not in used]
+        if not choices:
+            continue
+        ask = rng.choice(choices)
         source = first["source"] if first["source"].startswith("followup-") else f"followup-{first['source']}"
-        rows[s.domain].append({"id": followup_id(s.prompt_id, s.mode, s.offset), "domain": s.domain,
-                               "source": source, "turns": asked + [ask], "replies": earlier + [text]})
+        rows[s.domain].append({"id": followup_id(s.prompt_id, s.mode, s.offset, variant), "domain": s.domain,
+                               "source": source, "turns": asked + [ask], "replies": replies})
     counts = {}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -516,11 +536,20 @@ if __name__ == "__main__":
     ap.add_argument("--max-reply-tokens", type=int, default=256)
     ap.add_argument("--max-conversation-tokens", type=int, default=512,
                     help="skip stored conversations (prompt + reply) longer than this")
+    ap.add_argument("--avoid", action="append", default=[], metavar="POOL_DIR",
+                    help="with --followups-from: an earlier follow-up pool of the same data; its requests "
+                         "are not asked again of the same conversation (repeatable)")
+    ap.add_argument("--variant", type=int, default=0,
+                    help="with --followups-from: tag the ids fu<variant>- (needed with --avoid: ids stay unique)")
+    ap.add_argument("--seed", type=int, default=SEED)
     args = ap.parse_args()
+    if args.avoid and not args.variant:
+        ap.error("--avoid needs --variant N (N >= 1), or the new pool's ids would repeat the earlier pool's")
     if args.followups_from:
         if not args.hf_model:
             ap.error("--followups-from needs --hf-model (the tokenizer that decodes the stored replies)")
         print(json.dumps(build_followup_pool(args.followups_from, args.prompts, args.hf_model, args.out,
-                                             args.max_reply_tokens, args.max_conversation_tokens), indent=1))
+                                             args.max_reply_tokens, args.max_conversation_tokens, args.seed,
+                                             args.variant, tuple(args.avoid)), indent=1))
     else:
         print(json.dumps(build_prompt_pool(args.out, args.cache_dir), indent=1))

@@ -185,7 +185,9 @@ class OVPagedTarget(_LogitRows):
         self.compiled = compiled
         self.request = compiled.create_infer_request()
         self.max_length = max_length
-        self.logits_out = compiled.output("logits")
+        names = {n for o in compiled.outputs for n in o.get_names()}
+        # a graph scoring its next tokens itself (the feature pass's) has no logits output
+        self.logits_out = compiled.output("logits") if "logits" in names else None
         self.hidden_out = compiled.output("target_hidden")
         self.cache_inputs = [(i.get_any_name(), i.get_element_type(), [d.get_length() for d in i.get_partial_shape()[1:]])
                              for i in compiled.inputs if i.get_any_name().startswith(("key_cache.", "value_cache."))]
@@ -223,13 +225,18 @@ class OVPagedTarget(_LogitRows):
         self.pending = 0    # tokens of the last forward not yet committed
 
     def forward(self, token_ids: np.ndarray, all_logits: bool) -> tuple[np.ndarray, np.ndarray]:
+        self.run(token_ids, self._logit_rows(len(token_ids), all_logits))
+        return self.request.get_tensor(self.logits_out).data[:, 0], self.request.get_tensor(self.hidden_out).data[:, 0]
+
+    def run(self, token_ids: np.ndarray, rows: np.ndarray) -> None:
+        """The inference of `forward`, with logits (or the graph's own scores) for `rows`
+        (indices into token_ids); the outputs are left in `request`."""
         assert self.pending == 0, "commit() the previous forward first"
         num = len(token_ids)
         past, end = self.committed, self.committed + num
         blocks = -(-end // self.block_tokens)
         if blocks > self.num_blocks:
             self._grow(min(max(blocks, 2 * self.num_blocks), len(self.block_indices)))
-        rows = self._logit_rows(num, all_logits)
         self.past_lens[0] = past
         self.subsequence_begins[1] = num
         self.block_indices_begins[1] = blocks
@@ -245,13 +252,17 @@ class OVPagedTarget(_LogitRows):
             "logits_indices": rows,
         })
         self.pending = num
-        return self.request.get_tensor(self.logits_out).data[:, 0], self.request.get_tensor(self.hidden_out).data[:, 0]
 
     def commit(self, num_kept: int) -> None:
         """Keep the first num_kept tokens of the last forward; the next forward overwrites the rest."""
         assert 0 < num_kept <= self.pending
         self.committed += num_kept
         self.pending = 0
+
+    def rewind(self, num_kept: int) -> None:
+        """Keep only the first num_kept committed tokens (free: the next forward overwrites the rest)."""
+        assert self.pending == 0 and 0 <= num_kept <= self.committed
+        self.committed = num_kept
 
 
 class OVDrafter:

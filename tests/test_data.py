@@ -122,17 +122,22 @@ def test_chat_prompt_ids_carry_the_earlier_exchange(tmp_path):
         chat_prompt_ids(tok, ["q"], ["a"])
 
 
-def test_followup_pool_takes_whole_replies_to_train_prompts_only(tmp_path):
-    from ovdflash_export.prompts import FOLLOW_UPS, build_followup_pool, load_prompts
-
+def _one_train_prompt_per_domain(tmp_path):
+    """A tiny tokenizer, a prompt pool with one train prompt per domain, an empty data directory
+    and the token ids of one reply."""
     target, tok, eos = _tiny_tokenizer(tmp_path)
     prompts = tmp_path / "prompts"
     prompts.mkdir()
     for d in ("code", "math", "chat"):
         (prompts / f"train_{d}.jsonl").write_text(json.dumps({"id": f"{d}0", "domain": d, "source": "s",
                                                                "turns": [f"{d} question"]}) + "\n")
-    w = ShardWriter(tmp_path / "data")
-    reply = tok("the answer", add_special_tokens=False)["input_ids"]
+    return target, tok, eos, prompts, ShardWriter(tmp_path / "data"), tok("the answer", add_special_tokens=False)["input_ids"]
+
+
+def test_followup_pool_takes_whole_replies_to_train_prompts_only(tmp_path):
+    from ovdflash_export.prompts import FOLLOW_UPS, build_followup_pool, load_prompts
+
+    target, tok, eos, prompts, w, reply = _one_train_prompt_per_domain(tmp_path)
     w.append([1, 2] + reply + [eos], 2, "code", "greedy", "code0", 0, True)        # kept
     w.append([1, 2] + reply + [eos], 2, "code", "sample", "code0", 1, True)        # kept: another reply
     w.append([1, 2] + reply, 2, "math", "greedy", "math0", 0, False)               # cut off: dropped
@@ -145,6 +150,33 @@ def test_followup_pool_takes_whole_replies_to_train_prompts_only(tmp_path):
     for r in rows:
         assert r["turns"][0] == "code question" and r["turns"][1] in FOLLOW_UPS["code"]
         assert r["replies"] == [tok.decode(reply).strip()] and r["source"] == "followup-s"
+
+
+def test_a_variant_followup_pool_asks_each_conversation_a_new_request(tmp_path):
+    from ovdflash_export.prompts import FOLLOW_UPS, build_followup_pool, load_prompts, root_prompt_id
+
+    target, tok, eos, prompts, w, reply = _one_train_prompt_per_domain(tmp_path)
+    other = tok("another answer", add_special_tokens=False)["input_ids"]
+    w.append([1, 2] + reply + [eos], 2, "code", "greedy", "code0", 0, True)
+    w.append([1, 2] + other + [eos], 2, "code", "sample", "code0", 1, True)
+    pools, asked = [], {}
+    # each pool avoids every earlier one: the code list's requests run out after len(FOLLOW_UPS["code"]) pools
+    for variant in range(len(FOLLOW_UPS["code"]) + 1):
+        out = tmp_path / f"fu{variant}"
+        counts = build_followup_pool(tmp_path / "data", prompts, target, out, variant=variant,
+                                     avoid_pools=tuple(pools), seed=variant)
+        rows = load_prompts(out / "train_code.jsonl")
+        if variant == len(FOLLOW_UPS["code"]):
+            assert counts["train_code.jsonl"] == 0
+            break
+        assert len(rows) == 2, variant
+        for r in rows:
+            assert r["id"].startswith(f"fu{variant or ''}-code0-") and root_prompt_id(r["id"]) == "code0"
+            key = tuple(r["replies"])  # the conversation: same first turn, two different replies
+            assert r["turns"][1] not in asked.setdefault(key, set())
+            asked[key].add(r["turns"][1])
+        pools.append(out)
+    assert all(v == set(FOLLOW_UPS["code"]) for v in asked.values())
 
 
 def test_a_followup_of_a_followup_keeps_the_whole_conversation(tmp_path):
@@ -172,11 +204,12 @@ def test_a_followup_of_a_followup_keeps_the_whole_conversation(tmp_path):
 
 
 def test_shipped_followup_pools_hold_no_eval_prompt():
-    for name, turns in (("prompts_followup", 2), ("prompts_followup3", 3)):
+    for name, turns in (("prompts_followup", 2), ("prompts_followup2b", 2), ("prompts_followup3", 3),
+                        ("prompts_followup4", 4)):
         for d in ("code", "math", "chat"):
             rows = [json.loads(l) for l in open(PROMPTS.parent / name / f"train_{d}.jsonl")]
             train_firsts = {r["turns"][0] for r in _rows(f"train_{d}.jsonl")}
-            assert len(rows) >= 500
+            assert len(rows) >= 200
             assert {r["turns"][0] for r in rows} <= train_firsts
             assert not {r["turns"][0] for r in rows} & {r["turns"][0] for r in _rows(f"eval_{d}.jsonl")}
             assert all(len(r["turns"]) == turns and len(r["replies"]) == turns - 1 and all(r["replies"])

@@ -208,10 +208,12 @@ def test_fill_topk_completes_old_sequences_in_place_as_a_fresh_pass_would(pair_a
     data = tmp_path / "data"
     _write(data, 2, seed=6)
     mixed, fresh = tmp_path / "mixed", tmp_path / "fresh"
-    precompute_features(model_dir, data, mixed, config=STRICT_F32, log=lambda s: None)
+    # one prefill per sequence, in file order (share_prefixes=False), so the bytes can be compared
+    once = dict(config=STRICT_F32, log=lambda s: None, share_prefixes=False)
+    precompute_features(model_dir, data, mixed, **once)
     _write(data, 2, seed=7)
-    precompute_features(model_dir, data, mixed, config=STRICT_F32, log=lambda s: None, topk=8)
-    precompute_features(model_dir, data, fresh, config=STRICT_F32, log=lambda s: None, topk=8)
+    precompute_features(model_dir, data, mixed, topk=8, **once)
+    precompute_features(model_dir, data, fresh, topk=8, **once)
     before = {name: (mixed / name).read_bytes() for name in (FEATS, "preds.u16", TOPK_IDS)}
     plain = tmp_path / "plain"   # a directory that never had top-k cannot be filled
     precompute_features(model_dir, data, plain, config=STRICT_F32, log=lambda s: None)
@@ -231,3 +233,45 @@ def test_fill_topk_completes_old_sequences_in_place_as_a_fresh_pass_would(pair_a
     ff = FeatureFile(mixed)
     assert all(ff.lookup_topk(s.offset, len(s.tokens)) is not None for s in load_sequences(data))
 
+
+
+def test_shared_prefixes_give_the_features_of_separate_prefills(pair_and_data, tmp_path):
+    """Follow-ups (in another directory) that begin with a stored conversation, and two replies to
+    one prompt: run in token order with their shared prefixes run once, the stored rows equal
+    those of one prefill per sequence."""
+    from ovdflash_export.features import precompute_features_many
+
+    model_dir, _ = pair_and_data
+    rng = np.random.default_rng(7)
+    first_turns, followups = ShardWriter(tmp_path / "data"), ShardWriter(tmp_path / "data_fu")
+    stored = []
+    for i in range(3):
+        prompt = rng.integers(3, 500, size=6).tolist()
+        for rep in range(2):  # two replies to one prompt
+            seq = prompt + rng.integers(3, 500, size=12).tolist()
+            first_turns.append(seq, len(prompt), "chat", "sample", f"p{i}", rep, True)
+            stored.append(seq)
+    for i, seq in enumerate(stored[:4]):
+        fu_prompt = seq + rng.integers(3, 500, size=5).tolist()
+        followups.append(fu_prompt + rng.integers(3, 500, size=int(rng.integers(8, 30))).tolist(),
+                         len(fu_prompt), "chat", "greedy", f"fu-{i}", 0, True)
+    pairs = lambda root: [(tmp_path / "data", root / "data"), (tmp_path / "data_fu", root / "data_fu")]
+    shared = precompute_features_many(model_dir, pairs(tmp_path / "shared"), config=STRICT_F32, log=lambda s: None,
+                                      topk=4)
+    alone = precompute_features_many(model_dir, pairs(tmp_path / "alone"), config=STRICT_F32, log=lambda s: None,
+                                     topk=4, share_prefixes=False)
+    total = sum(s["new_tokens"] for s in alone)
+    assert alone[0]["run_tokens"] == total and alone[0]["reused_tokens"] == 0
+    assert shared[0]["run_tokens"] + shared[0]["reused_tokens"] == total
+    # each follow-up reuses its whole conversation, each second reply its prompt
+    assert shared[0]["reused_tokens"] >= sum(len(s) for s in stored[:4]) + 3 * 5
+    for name in ("data", "data_fu"):
+        a, b = FeatureFile(tmp_path / "shared" / name), FeatureFile(tmp_path / "alone" / name)
+        for seq in load_sequences(tmp_path / name):
+            fa, pa = a.lookup(seq.offset, len(seq.tokens))
+            fb, pb = b.lookup(seq.offset, len(seq.tokens))
+            np.testing.assert_allclose(np.asarray(fa, np.float32), np.asarray(fb, np.float32), atol=2e-3, rtol=1e-3)
+            assert np.array_equal(pa, pb)
+            (ia, la), (ib, lb) = a.lookup_topk(seq.offset, len(seq.tokens)), b.lookup_topk(seq.offset, len(seq.tokens))
+            assert np.array_equal(ia[:, 0], ib[:, 0])
+            np.testing.assert_allclose(np.asarray(la, np.float32), np.asarray(lb, np.float32), atol=2e-3)

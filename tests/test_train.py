@@ -399,6 +399,7 @@ def test_a_followup_is_validated_or_trained_with_its_root_prompt():
     assert root_prompt_id("fu-fu-HumanEval-134-sample1284770-greedy529362") == "HumanEval-134"
     assert root_prompt_id(followup_id(followup_id("HumanEval-134", "sample", 7), "greedy", 9)) == "HumanEval-134"
     assert root_prompt_id("selfchat-topic-87") == "selfchat-topic-87"
+    assert root_prompt_id(followup_id(followup_id("code-3", "greedy", 1, variant=2), "greedy", 4)) == "code-3"
     roots = [f"selfcode-func-{i}" for i in range(40)]
     ids = roots + [f"fu-{r}-greedy{10 * i}" for i, r in enumerate(roots)] + [f"fu-fu-{r}-sample7-greedy{i}" for i, r in enumerate(roots)]
     seqs = [Sequence(np.arange(4), 2, "code", "greedy", p) for p in ids]
