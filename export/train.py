@@ -17,9 +17,11 @@ Contract:
   drafts would run it; the saved config then carries `ovdflash_short_blocks` = f.
 - Warm start (`init_from`): a checkpoint of the same geometry, or of fewer layers, whose added
   layers start as no-ops (`grown_state_dict`).
-- Distillation (`kd_weight` > 0, precomputed features with top-k): the loss becomes
+- Distillation (`kd_weight` > 0): the loss becomes
   (1 - kd_weight) * that CE + kd_weight * the same slot-weighted cross-entropy against the
-  target's own next-token distribution (its stored top-k, renormalised over the ids scored), on
+  target's own next-token distribution (its top-k: stored with precomputed features made with
+  --topk, else computed by the torch target in the features' forward, `kd_topk`; renormalised
+  over the ids scored), on
   every slot that has a greedy-chain label (there the stored context is the chain's, so the
   target's distribution at that position is the one verification samples from).
 - Two deviations that keep the saved checkpoint standard (drafter_feasibility.md §2):
@@ -115,8 +117,10 @@ class TrainConfig:
     # precomputed OpenVINO target features (ovdflash_export.features): root with one sub-directory
     # per data directory's name; sequences found there never run the torch target
     features_root: str | None = None
-    # weight of the soft-label term (target top-k distributions, needs features with --topk); 0: off
+    # weight of the soft-label term (the target's top-k distributions: stored with precomputed
+    # features made with --topk, else computed by the torch target, `kd_topk` of them); 0: off
     kd_weight: float = 0.0
+    kd_topk: int = 32
     # the fraction of training blocks cut to a random length 2..B-1 (build_batch): a drafter that
     # only ever saw full blocks drafts the first slots of a shorter block worse (TRAINING.md, run 9)
     short_blocks: float = 0.0
@@ -169,47 +173,77 @@ class FrozenTarget:
         return fn
 
     @torch.no_grad()
-    def features(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def features(self, ids: torch.Tensor, topk: int = 0):
         """[S] token ids -> ([S, n*Ht] f32 decoder-layer outputs at layer_ids, concatenated;
-        [S] int64 greedy prediction for position s+1, or None without `predictions`)."""
+        [S] int64 greedy prediction for position s+1, or None without `predictions`). With `topk`
+        K (needs `predictions`) a third value: the K most likely next tokens after every position
+        and their log-probabilities over the whole vocabulary ([S, K] int64, [S, K] f32, on the
+        CPU), the soft labels that `ovdflash_export.features --topk` stores."""
         self._captured.clear()
         out = self.base(input_ids=ids[None].to(self.device), use_cache=False)
         feats = torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1).float()
         if not self.predictions:
+            if topk:
+                raise ValueError("top-k soft labels need the whole target: FrozenTarget(predictions=True)")
             return feats, None
         final = out.last_hidden_state[0]  # after the final norm
-        pred = torch.cat([(c @ self.lm_head_weight.T).argmax(-1) for c in final.split(256)])
-        return feats, pred.cpu()
+        preds, top_ids, top_logp = [], [], []
+        for c in final.split(256):
+            logits = (c @ self.lm_head_weight.T).float()
+            preds.append(logits.argmax(-1))
+            if topk:
+                top = torch.log_softmax(logits, -1).topk(topk, dim=-1)
+                top_ids.append(top.indices)
+                top_logp.append(top.values)
+        pred = torch.cat(preds).cpu()
+        if not topk:
+            return feats, pred
+        return feats, pred, (torch.cat(top_ids).cpu(), torch.cat(top_logp).cpu())
 
 
 class FeatureStore:
-    """Per-sequence features, computed by the target once and kept (fp16) within a memory cap."""
+    """Per-sequence features, computed by the target once and kept (fp16) within a memory cap.
+    With `topk` K, also the target's top-K soft labels (`soft`), computed in the same forward: the
+    distillation needs no precomputed features then (on a GPU the forward is cheap)."""
 
-    def __init__(self, target: FrozenTarget, cap_gb: float):
+    def __init__(self, target: FrozenTarget, cap_gb: float, topk: int = 0):
         self.target = target
+        self.topk = topk
         self.cap = int(cap_gb * 2**30)
         self.used = 0
-        self.cache: dict[int, torch.Tensor] = {}
+        self.cache: dict[int, tuple] = {}
+        self.last: tuple = (None, None)  # (idx, soft labels) of the latest forward, cached or not
         self.computed_tokens = 0
 
     def get(self, idx: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         hit = self.cache.get(idx)
         if hit is not None:
             return hit[0].float(), hit[1]
-        feats, pred = self.target.features(ids)
+        if self.topk:
+            feats, pred, (top_ids, top_logp) = self.target.features(ids, self.topk)
+            soft = (top_ids.to(torch.int32), top_logp.to(torch.float16))
+        else:
+            (feats, pred), soft = self.target.features(ids), None
         self.computed_tokens += ids.numel()
         nbytes = feats.numel() * 2 + (0 if pred is None else pred.numel() * 4)
+        nbytes += 0 if soft is None else soft[0].numel() * 6
         half = feats.to(torch.float16)  # cached and fresh calls give identical (f16-rounded) values
         if pred is not None:
             pred = pred.to(torch.int32)
         if self.used + nbytes <= self.cap:
-            self.cache[idx] = (half, pred)
+            self.cache[idx] = (half, pred, soft)
             self.used += nbytes
+        self.last = (idx, soft)
         return half.float(), pred
 
-    def soft(self, idx: int, length: int) -> None:
-        """No soft labels: the torch target's distributions are not kept (see PrecomputedStore.soft)."""
-        return None
+    def soft(self, idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The torch target's top-k (ids int64 [length, K], log-probs f32 [length, K]) of a sequence
+        `get` just computed or kept, with `topk`; else None."""
+        hit = self.cache.get(idx)
+        soft = hit[2] if hit is not None else (self.last[1] if self.last[0] == idx else None)
+        if soft is None or soft[0].shape[0] != length:
+            return None
+        return soft[0].long(), soft[1].float()
 
 
 class PrecomputedStore:
@@ -251,11 +285,12 @@ class PrecomputedStore:
         return torch.from_numpy(np.asarray(feats, dtype=np.float32)), pred
 
     def soft(self, idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The target's stored top-k (ids int64 [length, K], log-probs f32 [length, K]) or None."""
+        """The target's stored top-k (ids int64 [length, K], log-probs f32 [length, K]); for a
+        sequence with none stored, the fallback's (the torch target's, when it computes them) or None."""
         f, offset = self._file_for(idx)
         hit = None if f is None else f.lookup_topk(offset, length)
         if hit is None:
-            return None
+            return self.fallback.soft(idx, length)
         return torch.from_numpy(hit[0].astype(np.int64)), torch.from_numpy(np.asarray(hit[1], dtype=np.float32))
 
 
@@ -644,8 +679,8 @@ def grown_state_dict(sd: dict, have_layers: int, want_layers: int) -> dict:
 
 # ------------------------------------------------------------------ main loop
 def train(cfg: TrainConfig, log=print) -> Path:
-    if cfg.kd_weight > 0 and not cfg.features_root:
-        raise ValueError("kd_weight > 0 needs features_root: soft labels come from precomputed top-k features")
+    if cfg.kd_weight > 0 and cfg.kd_topk < 1:
+        raise ValueError(f"kd_topk {cfg.kd_topk}: distillation needs at least the target's top-1")
     if cfg.ce_vocab_size and not cfg.vocab_subset:
         raise ValueError("ce_vocab_size needs vocab_subset: it chooses the subset's size")
     device = pick_device(cfg.device)
@@ -676,7 +711,8 @@ def train(cfg: TrainConfig, log=print) -> Path:
     if not 0 <= cfg.mask_token_id < vocab:
         raise ValueError(f"mask_token_id {cfg.mask_token_id} is outside the embedding table ({vocab} rows)")
 
-    target = FrozenTarget(cfg.target, cfg.target_layer_ids, device, predictions=cfg.relabel)
+    # distillation without stored top-k runs the whole target (its lm_head) for the soft labels
+    target = FrozenTarget(cfg.target, cfg.target_layer_ids, device, predictions=cfg.relabel or cfg.kd_weight > 0)
     H = int(tcfg["hidden_size"])
     heads = int(tcfg["num_attention_heads"])
     rope_theta = tcfg.get("rope_theta") or (tcfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
@@ -755,7 +791,7 @@ def train(cfg: TrainConfig, log=print) -> Path:
         return remap, torch.nonzero(outside)[:, 0]
 
     seqs, train_idx, val_idx = load_data()
-    store = FeatureStore(target, cfg.feature_cache_gb)
+    store = FeatureStore(target, cfg.feature_cache_gb, topk=cfg.kd_topk if cfg.kd_weight > 0 else 0)
     eval_seqs = [s for d in cfg.eval_dirs for s in load_sequences(d)]
     eval_store = FeatureStore(target, 0.5)
     if cfg.features_root:

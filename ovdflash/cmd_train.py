@@ -64,8 +64,10 @@ def _ids(text):
               help="Precomputed OpenVINO target features (python -m ovdflash_export.features): one sub-directory "
                    "per data directory's name; those sequences never run the torch target.")
 @click.option("--kd-weight", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
-              help="Weight of distillation on the target's top-k distributions (needs --features computed with "
-                   "--topk); 0 trains on greedy labels only.")
+              help="Weight of distillation on the target's top-k distributions (those stored with --features "
+                   "computed with --topk, else computed by the torch target: --kd-topk); 0 trains on greedy labels only.")
+@click.option("--kd-topk", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Without stored top-k: how many of the target's most likely next tokens the distillation sees.")
 @click.option("--draft-vocab-size", type=click.IntRange(min=1), default=None,
               help="Write a draft vocabulary of the N ids the target's responses use most (default: every id "
                    "the CE trained over); the drafter's head at run time has these rows only.")
@@ -81,7 +83,7 @@ def _ids(text):
 @click.option("--evaluate-only", is_flag=True, help="Only print the tau estimate of the checkpoint in --out on --eval-data.")
 def train(target, data_dirs, eval_dirs, out_dir, state_dir, layers, block_size, target_layer_ids, num_features, mask_token_id,
           anchors, batch_seqs, max_len, lr, warmup_steps, max_steps, minutes, gamma, num_negatives, no_vocab_subset,
-          no_feature_scaling, val_every, new_per_step, reload_every, save_every_s, feature_cache_gb, seed, val_seed, device, threads, autocast, init_from, no_relabel, features_root, kd_weight, draft_vocab_size,
+          no_feature_scaling, val_every, new_per_step, reload_every, save_every_s, feature_cache_gb, seed, val_seed, device, threads, autocast, init_from, no_relabel, features_root, kd_weight, kd_topk, draft_vocab_size,
           ce_vocab_size, short_blocks, eval_block_len, evaluate_only):
     """Distill a DFlash drafter for a target model."""
     try:
@@ -108,10 +110,8 @@ def train(target, data_dirs, eval_dirs, out_dir, state_dir, layers, block_size, 
                       feature_scaling=not no_feature_scaling, val_every=val_every, new_per_step=new_per_step, reload_every=reload_every,
                       save_every_s=save_every_s,
                       feature_cache_gb=feature_cache_gb, seed=seed, val_seed=val_seed, device=device, threads=threads, autocast=autocast,
-                      init_from=init_from, relabel=not no_relabel, features_root=features_root, kd_weight=kd_weight,
+                      init_from=init_from, relabel=not no_relabel, features_root=features_root, kd_weight=kd_weight, kd_topk=kd_topk,
                       draft_vocab_size=draft_vocab_size, ce_vocab_size=ce_vocab_size, short_blocks=short_blocks)
-    if kd_weight > 0 and not features_root:
-        raise click.UsageError("--kd-weight needs --features (soft labels come from precomputed top-k)")
     if ce_vocab_size and no_vocab_subset:
         raise click.UsageError("--ce-vocab-size sets the size of the vocab subset: drop --no-vocab-subset")
     out = run_training(cfg, log=lambda s: click.echo(s, err=True))

@@ -80,11 +80,13 @@ def test_precomputed_store_falls_back_for_unknown_sequences(pair_and_data, tmp_p
     target = FrozenTarget(manifest["target"]["source"], manifest["target_layer_ids"], "cpu", predictions=True)
     _write(tmp_path / "other", 2, seed=5)
     seqs = load_sequences(root / "data") + load_sequences(tmp_path / "other")
-    store = PrecomputedStore({str(root / "data"): str(out)}, FeatureStore(target, 1.0))
+    store = PrecomputedStore({str(root / "data"): str(out)}, FeatureStore(target, 1.0, topk=4))
     store.bind(seqs)
     for i, s in enumerate(seqs):
         f, p = store.get(i, torch.from_numpy(s.tokens))
         assert f.dtype == torch.float32 and f.shape[0] == len(s.tokens) and p is not None
+        # stored without top-k: no soft labels; unknown: the torch target's
+        assert (store.soft(i, len(s.tokens)) is None) == (i < 6)
     assert store.hits == 6
     assert store.computed_tokens == sum(len(s.tokens) for s in seqs[6:])  # only the unknown ones ran torch
 
@@ -145,21 +147,25 @@ def test_top_k_log_probs_are_the_targets_most_likely_tokens(pair_and_data, tmp_p
         assert not np.asarray(ids[:first]).any() and not np.asarray(logp[:first]).any()
 
 
-def test_distillation_on_top1_equals_the_greedy_loss(pair_and_data, tmp_path):
+@pytest.mark.parametrize("precomputed", [True, False])
+def test_distillation_on_top1_equals_the_greedy_loss(pair_and_data, tmp_path, precomputed):
     """With K = 1 the target's distribution is one-hot on its greedy pick, which is the label: the
-    distillation term must equal the hard CE, step for step; with K = 8 it must differ."""
+    distillation term must equal the hard CE, step for step; with K = 8 it must differ. Soft
+    labels from precomputed features, or (precomputed False) from the torch target's forward."""
     model_dir, root = pair_and_data
     manifest = json.loads((model_dir / "manifest.json").read_text())
     logs = {}
     for k in (1, 8):
-        precompute_features(model_dir, root / "data", tmp_path / f"f{k}" / "data", max_len=64, config=STRICT_F32,
-                            log=lambda s: None, topk=k)
+        if precomputed:
+            precompute_features(model_dir, root / "data", tmp_path / f"f{k}" / "data", max_len=64,
+                                config=STRICT_F32, log=lambda s: None, topk=k)
         out = tmp_path / f"kd{k}"
         cfg = TrainConfig(target=manifest["target"]["source"], data_dirs=[str(root / "data")], out_dir=str(out),
                           num_layers=1, block_size=4, target_layer_ids=manifest["target_layer_ids"],
                           mask_token_id=511, anchors_per_seq=4, batch_seqs=2, max_len=64, lr=1e-3, warmup_steps=2,
                           max_steps=4, val_every=1000, save_every_s=1e9, seed=0, num_negatives=8, device="cpu",
-                          val_fraction=0.0, features_root=str(tmp_path / f"f{k}"), kd_weight=1.0)
+                          val_fraction=0.0, features_root=str(tmp_path / f"f{k}") if precomputed else None,
+                          kd_weight=1.0, kd_topk=k)
         train(cfg, log=lambda s: None)
         logs[k] = [json.loads(l) for l in open(out / "train_log.jsonl") if '"loss"' in l]
     # (a step whose labels all fall outside the scored ids has neither loss)
@@ -167,6 +173,32 @@ def test_distillation_on_top1_equals_the_greedy_loss(pair_and_data, tmp_path):
     assert len(used) >= 3 and all(r["kd_slots"] for r in logs[8] if r["hard_loss"])
     np.testing.assert_allclose([r["loss"] for r in logs[1]], [r["hard_loss"] for r in logs[1]], rtol=1e-4)
     assert max(abs(r["loss"] - r["hard_loss"]) for r in logs[8]) > 1e-3
+
+
+def test_the_torch_targets_soft_labels_equal_the_precomputed_ones(pair_and_data, tmp_path):
+    """FeatureStore(topk=K): the soft labels a training step without precomputed features gets
+    are the OpenVINO feature pass's (same top-1, same log-probabilities within f16 rounding), for a
+    sequence kept in the cache and for one over the cap (the latest forward's)."""
+    model_dir, root = pair_and_data
+    precompute_features(model_dir, root / "data", tmp_path / "f", config=STRICT_F32, log=lambda s: None, topk=8)
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    target = FrozenTarget(manifest["target"]["source"], manifest["target_layer_ids"], "cpu", predictions=True)
+    ff = FeatureFile(tmp_path / "f")
+    for cap_gb in (1.0, 0.0):
+        store = FeatureStore(target, cap_gb, topk=8)
+        for i, s in enumerate(load_sequences(root / "data")):
+            ids = torch.from_numpy(s.tokens)
+            store.get(i, ids)
+            got_ids, got_logp = store.soft(i, ids.numel())
+            want_ids, want_logp = ff.lookup_topk(s.offset, ids.numel())
+            first = s.prompt_len - 1  # stored from the last prompt position on
+            assert got_ids.shape == (ids.numel(), 8) and got_ids.dtype == torch.int64
+            assert np.array_equal(got_ids[first:, 0].numpy(), np.asarray(want_ids[first:, 0], dtype=np.int64))
+            np.testing.assert_allclose(got_logp[first:].numpy(), np.asarray(want_logp[first:], np.float32), atol=2e-2)
+            assert store.soft(i, ids.numel() + 1) is None  # another truncation is not a hit
+        assert (len(store.cache) > 0) == (cap_gb > 0)
+    with pytest.raises(ValueError, match="predictions=True"):
+        FrozenTarget(manifest["target"]["source"], manifest["target_layer_ids"], "cpu").features(ids, topk=4)
 
 
 def test_next_token_scores_in_the_graph_equal_numpy_with_ties_in_id_order():

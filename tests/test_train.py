@@ -385,10 +385,10 @@ def test_ce_vocab_size_scores_only_the_most_used_ids_and_ships_them(tiny_setup, 
               log=lambda s: None)
 
 
-def test_distillation_without_precomputed_features_is_refused(tiny_setup, tmp_path):
+def test_distillation_with_no_top_k_is_refused(tiny_setup, tmp_path):
     target, data, _ = tiny_setup
-    with pytest.raises(ValueError, match="features_root"):
-        train(_cfg(target, data, tmp_path / "kd", max_steps=1, kd_weight=0.5), log=lambda s: None)
+    with pytest.raises(ValueError, match="kd_topk 0"):
+        train(_cfg(target, data, tmp_path / "kd", max_steps=1, kd_weight=0.5, kd_topk=0), log=lambda s: None)
     assert not (tmp_path / "kd").exists()  # refused before anything is written
 
 
