@@ -205,7 +205,7 @@ def test_a_followup_of_a_followup_keeps_the_whole_conversation(tmp_path):
 
 def test_shipped_followup_pools_hold_no_eval_prompt():
     for name, turns in (("prompts_followup", 2), ("prompts_followup2b", 2), ("prompts_followup3", 3),
-                        ("prompts_followup4", 4)):
+                        ("prompts_followup4", 4), ("prompts_followup3b", 3)):
         for d in ("code", "math", "chat"):
             rows = [json.loads(l) for l in open(PROMPTS.parent / name / f"train_{d}.jsonl")]
             train_firsts = {r["turns"][0] for r in _rows(f"train_{d}.jsonl")}
