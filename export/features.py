@@ -24,7 +24,8 @@ Contract:
   in one pass. Sequences run in token order, and the prefix a sequence shares with the previous
   one (a follow-up's earlier conversation, the prompt of another reply) is not run again
   (`PrefixScorer`; `share_prefixes=False` runs each from position 0). On the shipped multi-turn
-  data that skips about half the positions: 1.8x the stored rows a second (TRAINING.md, session 13).
+  data that skips over half the positions: 2.0-2.2x the stored rows a second on 2 idle Zen 4
+  cores (TRAINING.md, session 13).
 - `fill_topk(model_dir, data_dir, out_dir, ...)` computes the top-k rows of the sequences stored
   without them (flagged false) in place, and flags them; features and predictions are left as
   they are. Resumable: the index is rewritten (atomically) every few sequences, and a sequence
@@ -154,19 +155,15 @@ def _target_settings(model_dir: Path, config: dict | None) -> tuple[dict, dict]:
 
 
 def _compile_target(model_dir: Path, settings: dict, manifest: dict, k: int):
-    """The runtime's default target graph (ov_models.compile_runners: paged attention, then
-    graphs.target_for_runtime) with its next-token scores computed in the graph
-    (add_next_token_scores), compiled with `settings`."""
+    """The runtime's paged target graph (`ov_models.runtime_target_graph`, as compile_runners
+    builds it) with its next-token scores computed in the graph (add_next_token_scores), compiled
+    with `settings`."""
     import openvino as ov
-    from openvino._offline_transformations import paged_attention_transformation
 
-    from ovdflash import graphs
-    from ovdflash.ov_models import TARGET_XML
+    from ovdflash.ov_models import TARGET_XML, runtime_target_graph
 
     core = ov.Core()
-    model = core.read_model(model_dir / TARGET_XML)
-    paged_attention_transformation(model)
-    model = graphs.target_for_runtime(model, manifest["target_layer_ids"])
+    model = runtime_target_graph(core.read_model(model_dir / TARGET_XML), manifest, "paged")
     add_next_token_scores(model, k)
     return core.compile_model(model, "CPU", settings)
 

@@ -179,12 +179,12 @@ class FrozenTarget:
         K (needs `predictions`) a third value: the K most likely next tokens after every position
         and their log-probabilities over the whole vocabulary ([S, K] int64, [S, K] f32, on the
         CPU), the soft labels that `ovdflash_export.features --topk` stores."""
+        if topk and not self.predictions:  # refused before the forward, not after it
+            raise ValueError("top-k soft labels need the whole target: FrozenTarget(predictions=True)")
         self._captured.clear()
         out = self.base(input_ids=ids[None].to(self.device), use_cache=False)
         feats = torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1).float()
         if not self.predictions:
-            if topk:
-                raise ValueError("top-k soft labels need the whole target: FrozenTarget(predictions=True)")
             return feats, None
         final = out.last_hidden_state[0]  # after the final norm
         preds, top_ids, top_logp = [], [], []

@@ -307,6 +307,17 @@ class OVDrafter:
         return self.request.get_tensor(self.tokens_out).data[0, :num_drafts].copy()
 
 
+def runtime_target_graph(target_model: ov.Model, manifest: dict, target_runner: str = DEFAULT_TARGET_RUNNER) -> ov.Model:
+    """The runtime's edits of a read target IR, in place (and returned): openvino's paged-attention
+    transformation for the "paged" runner, then `graphs.target_for_runtime`. The feature pass
+    (ovdflash_export.features) builds its graph with this too, so it runs what the runtime runs."""
+    if parse_target_runner(target_runner) == "paged":
+        from openvino._offline_transformations import paged_attention_transformation
+
+        paged_attention_transformation(target_model)
+    return graphs.target_for_runtime(target_model, manifest["target_layer_ids"])
+
+
 def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", config: dict | None = None,
                     with_drafter: bool = True, core: ov.Core | None = None, use_draft_vocab: bool = True,
                     target_runner: str = DEFAULT_TARGET_RUNNER,
@@ -325,11 +336,7 @@ def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", 
         vocab_path = model_dir / DRAFT_VOCAB
         draft_vocab = graphs.read_draft_vocab(vocab_path) if use_draft_vocab and vocab_path.exists() else None
         graphs.drafter_for_runtime(drafter_model, target_model, draft_vocab)
-    if target_runner == "paged":
-        from openvino._offline_transformations import paged_attention_transformation
-
-        paged_attention_transformation(target_model)
-    graphs.target_for_runtime(target_model, manifest["target_layer_ids"])
+    runtime_target_graph(target_model, manifest, target_runner)
     max_length = int(manifest["max_position_embeddings"])
     target_config = dict(config or {})
     if manifest.get("target", {}).get("weight_format") == FP16_UNCACHED:
