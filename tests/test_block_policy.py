@@ -324,6 +324,31 @@ def test_a_flat_measured_verify_curve_still_extends_upwards():
     assert policy.choose(5) < 5  # at the prior acceptance 0.5 the long blocks no longer look free
 
 
+class CliffMockTarget(MockTarget):
+    """Forwards of up to 4 tokens sleep 3 ms, longer ones 12 ms: the shape of the Zen 4 verify
+    curve (1-4 tokens at an AR step's cost, then a jump; docs/BENCHMARKS.md session 13)."""
+
+    def forward(self, token_ids, all_logits):
+        time.sleep(0.003 if len(token_ids) <= 4 else 0.012)
+        return super().forward(token_ids, all_logits)
+
+
+def test_auto_calibrates_far_enough_to_see_a_cliff_after_four_tokens():
+    from ovdflash.pipeline import CALIBRATED_DRAFTS
+    target = CliffMockTarget(vocab_size=32, seed=13)
+    drafter = MockDrafter(target, block_size=8, error_rate=0.5)
+    prompt = [1, 2, 3, 4, 5, 6]
+    p = 0.6   # every draft accepted with probability 0.6: block 4 beats block 8 at these costs
+    chosen = {}
+    for measured in (3, CALIBRATED_DRAFTS):
+        step, draft, _ = measure_costs(target, drafter, prompt, max_drafts=7, repetitions=3, measured_drafts=measured)
+        policy = BlockPolicy(step, [0.0] * 8)
+        policy.accepted, policy.seen = [p * 50] * 7, [50.0] * 7
+        chosen[measured] = policy.choose(7)
+    assert chosen[3] > 3                    # timed up to 4 tokens, longer blocks look cheap
+    assert chosen[CALIBRATED_DRAFTS] == 3   # the pipeline's calibration sees the jump
+
+
 def test_measure_costs_recovers_the_cost_curve_and_leaves_runners_reusable():
     target = SlowMockTarget(vocab_size=32, seed=13)
     drafter = MockDrafter(target, block_size=6, error_rate=0.5)
