@@ -337,6 +337,124 @@ def _chat_prompts(rng: random.Random) -> list[dict]:
     return out
 
 
+# ------------------------------------------------------------------ a wider first-turn pool
+# The first-turn pool above is narrow: 40 topics under 6 chat frames, code tasks from two lists.
+# Its held-back prompts are drafted far better than the held-out eval sets (run 11, teacher-forced
+# tau: 2.94 / 2.96 / 1.92 code / math / chat on held-back train-pool prompts against 2.55 / 2.16 /
+# 1.59 on the eval sets). `build_wide_pool` adds first turns of other shapes: HumanEval-style
+# completions of the Python standard library's own functions (signature + docstring summary, the
+# body left to the target), and chat requests in the MT-Bench categories the frames above miss
+# (writing, role-play, reasoning, STEM, humanities) over a second topic list.
+_WIDE_TOPICS = [
+    "the history of the bicycle", "urban gardening", "the invention of paper", "bird migration",
+    "the rules of chess", "remote work", "the Silk Road", "nuclear fusion", "minimalism", "the printing of money",
+    "public libraries", "the life cycle of a star", "fermentation", "the Industrial Revolution", "wind turbines",
+    "the Amazon rainforest", "social media", "ancient Egypt", "the theory of evolution", "chocolate",
+    "the metric system", "noise pollution", "the Byzantine Empire", "3D printing", "the human heart",
+    "board games", "fast fashion", "the Arctic", "quantum computers", "street food", "the history of vaccines",
+    "traffic congestion", "the Beatles", "solar panels", "sign languages", "the Cold War", "glaciers",
+    "open-source software", "the Mongol Empire", "microplastics", "lighthouses", "the placebo effect",
+    "electric guitars", "the history of the internet", "volunteering", "the periodic table", "bees and pollination",
+    "the Great Depression", "self-driving cars", "the samurai", "tea ceremonies", "the ozone layer", "marathons",
+    "ancient Greek theatre", "cloud computing", "the Black Death", "smartphones", "origami", "the Andes",
+    "habit formation", "the space race", "wolves", "the printing press in Asia", "public transport",
+    "the Hubble telescope", "handwriting", "the Vikings", "desalination", "procrastination", "the Sahara",
+    "recycling plastic", "impressionist painting", "the French language", "vertical farming", "tsunamis",
+    "the Aztecs", "video game design", "bread baking", "the stock exchange", "the human microbiome",
+    "carbon capture", "the Olympic marathon", "the Ottoman Empire", "chess engines", "coffee culture",
+    "fire safety", "the Moon's phases", "typewriters", "the Nile", "bookbinding", "the immune response to colds",
+]
+_WIDE_FRAMES = [
+    ("writing", "Write a persuasive essay of three paragraphs about {t}."),
+    ("writing", "Compose an engaging blog post introducing {t} to beginners."),
+    ("writing", "Write a short story in which {t} plays a central role."),
+    ("writing", "Draft a short speech for a school assembly about {t}."),
+    ("writing", "Write a poem of eight lines about {t}."),
+    ("roleplay", "Pretend you are a museum guide. Explain {t} to a group of visitors."),
+    ("roleplay", "Act as a skeptical journalist and ask me five sharp questions about {t}."),
+    ("roleplay", "Imagine you are a teacher preparing a lesson on {t}. Outline the lesson plan."),
+    ("reasoning", "What are the most common misconceptions about {t}, and why do people believe them?"),
+    ("reasoning", "Compare {t} today with how it was a hundred years ago."),
+    ("stem", "What scientific or technical ideas help explain {t}?"),
+    ("stem", "Describe the main problems that {t} raises and possible solutions."),
+    ("humanities", "How has {t} influenced culture and society?"),
+    ("humanities", "What lessons can we learn from {t}?"),
+    ("extraction", "List five key terms related to {t} and define each in one sentence."),
+    ("extraction", "Summarize what a newcomer should know about {t} as a bulleted list."),
+]
+_STDLIB_SKIP = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "site-packages", "dist-packages", "ensurepip",
+                "pydoc_data", "__pycache__"}
+
+
+def stdlib_code_prompts(stdlib_dir=None, min_doc: int = 30, max_doc: int = 400) -> list[dict]:
+    """HumanEval-shaped prompts from the standard library's public module-level functions (and
+    public methods of public classes, inside `class Name:`): `def name(args):` with the first
+    paragraph of its docstring, one per distinct (name, summary), skipping tests, private modules
+    and doctest summaries; in path order, so one Python version gives one list."""
+    import ast
+    import sysconfig
+
+    root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
+    seen, out = set(), []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if _STDLIB_SKIP & set(rel.parts) or any(part.startswith("_") for part in rel.parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        nodes = [(None, n) for n in tree.body if isinstance(n, ast.FunctionDef)]
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and not n.name.startswith("_")):
+            nodes += [(cls.name, n) for n in cls.body if isinstance(n, ast.FunctionDef)]
+        for cls_name, node in nodes:
+            doc = ast.get_docstring(node)
+            if node.name.startswith("_") or not doc:
+                continue
+            summary = " ".join(doc.split("\n\n")[0].split())
+            if not min_doc <= len(summary) <= max_doc or ">>>" in summary or (node.name, summary) in seen:
+                continue
+            seen.add((node.name, summary))
+            args = ast.unparse(node.args)
+            returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+            code = f'def {node.name}({args}){returns}:\n    """{summary}\n    """'
+            if cls_name:   # a method stays in its class, so `self` means something
+                code = f"class {cls_name}:\n" + "\n".join("    " + line for line in code.splitlines())
+            module = ".".join(rel.with_suffix("").parts)
+            out.append({"id": f"stdlib-{module}-{cls_name + '.' if cls_name else ''}{node.name}-{len(out)}",
+                        "domain": "code", "source": "stdlib-doc",
+                        "turns": ["Complete the following Python function.\n```python\n" + code + "\n```"]})
+    return out
+
+
+def wide_chat_prompts(rng: random.Random, frames_per_topic: int = 6) -> list[dict]:
+    out = []
+    for i, t in enumerate(_WIDE_TOPICS):
+        for j in sorted(rng.sample(range(len(_WIDE_FRAMES)), frames_per_topic)):
+            category, frame = _WIDE_FRAMES[j]
+            out.append({"id": f"wide-{category}-{i}-{j}", "domain": "chat", "source": f"wide-{category}",
+                        "turns": [frame.format(t=t)]})
+    return out
+
+
+def build_wide_pool(out_dir, eval_dir, seed: int = SEED, stdlib_dir=None) -> dict:
+    """Write train_code.jsonl (stdlib_code_prompts), train_chat.jsonl (wide_chat_prompts) and an
+    empty train_math.jsonl into out_dir, rows shuffled (fixed seed), without any first turn of
+    `eval_dir`'s eval sets."""
+    rng = random.Random(seed)
+    held = {r["turns"][0] for d in DOMAINS for r in load_prompts(Path(eval_dir) / f"eval_{d}.jsonl")}
+    counts = {}
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    for d, rows in (("code", stdlib_code_prompts(stdlib_dir)), ("math", []), ("chat", wide_chat_prompts(rng))):
+        rows = [r for r in rows if r["turns"][0] not in held]
+        rng.shuffle(rows)
+        with open(Path(out_dir) / f"train_{d}.jsonl", "w") as f:
+            for r in rows:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        counts[f"train_{d}.jsonl"] = len(rows)
+    return counts
+
+
 # ------------------------------------------------------------------ wheels
 def _download(pkg: str, cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -541,11 +659,16 @@ if __name__ == "__main__":
                          "are not asked again of the same conversation (repeatable)")
     ap.add_argument("--variant", type=int, default=0,
                     help="with --followups-from: tag the ids fu<variant>- (needed with --avoid: ids stay unique)")
+    ap.add_argument("--wide", action="store_true",
+                    help="write the wider first-turn pool (stdlib function completions, MT-Bench-style chat) "
+                         "instead; --prompts names the pool whose eval sets it must avoid")
     ap.add_argument("--seed", type=int, default=SEED)
     args = ap.parse_args()
     if args.avoid and not args.variant:
         ap.error("--avoid needs --variant N (N >= 1), or the new pool's ids would repeat the earlier pool's")
-    if args.followups_from:
+    if args.wide:
+        print(json.dumps(build_wide_pool(args.out, args.prompts, args.seed), indent=1))
+    elif args.followups_from:
         if not args.hf_model:
             ap.error("--followups-from needs --hf-model (the tokenizer that decodes the stored replies)")
         print(json.dumps(build_followup_pool(args.followups_from, args.prompts, args.hf_model, args.out,

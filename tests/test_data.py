@@ -214,3 +214,53 @@ def test_shipped_followup_pools_hold_no_eval_prompt():
             assert not {r["turns"][0] for r in rows} & {r["turns"][0] for r in _rows(f"eval_{d}.jsonl")}
             assert all(len(r["turns"]) == turns and len(r["replies"]) == turns - 1 and all(r["replies"])
                        for r in rows)
+
+
+def test_stdlib_code_prompts_take_public_documented_functions(tmp_path):
+    from ovdflash_export.prompts import stdlib_code_prompts
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "t.py").write_text('def test_it(x):\n    """A test helper that nobody should see here."""\n')
+    (tmp_path / "_private.py").write_text('def hidden(x):\n    """A function in a private module is left out too."""\n')
+    (tmp_path / "mod.py").write_text(
+        'def add(a: int, b: int = 1) -> int:\n    """Return the sum of a and b, as integers.\n\n    More text."""\n'
+        'def _inner(x):\n    """A private function that is left out."""\n'
+        'def short(x):\n    """Too short."""\n'
+        'def doc(x):\n    """>>> doc(1) gives one back, a doctest summary."""\n'
+        'class Box:\n    def put(self, item):\n        """Put an item into the box and return it."""\n'
+        'class _Hidden:\n    def put(self, item):\n        """Put an item into the box and return it."""\n')
+    rows = stdlib_code_prompts(tmp_path)
+    assert [r["id"] for r in rows] == ["stdlib-mod-add-0", "stdlib-mod-Box.put-1"]
+    assert rows[0]["turns"] == ['Complete the following Python function.\n```python\n'
+                                'def add(a: int, b: int=1) -> int:\n    """Return the sum of a and b, as integers.\n'
+                                '    """\n```']
+    assert "class Box:\n    def put(self, item):\n" in rows[1]["turns"][0]
+    assert all(r["domain"] == "code" and r["source"] == "stdlib-doc" for r in rows)
+
+
+def test_wide_pool_avoids_eval_prompts_and_rebuilds_identically(tmp_path):
+    from ovdflash_export.prompts import DOMAINS, build_wide_pool, load_prompts, wide_chat_prompts
+    import random
+    first = wide_chat_prompts(random.Random(7))[0]["turns"][0]
+    evals = tmp_path / "prompts"
+    evals.mkdir()
+    for d in DOMAINS:
+        (evals / f"eval_{d}.jsonl").write_text(
+            json.dumps({"id": "e", "domain": d, "source": "s", "turns": [first if d == "chat" else "x"]}) + "\n")
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "m.py").write_text('def f(x):\n    """Return x doubled, for any number x."""\n')
+    counts = build_wide_pool(tmp_path / "a", evals, seed=7, stdlib_dir=tmp_path / "lib")
+    build_wide_pool(tmp_path / "b", evals, seed=7, stdlib_dir=tmp_path / "lib")
+    for d in DOMAINS:
+        assert (tmp_path / "a" / f"train_{d}.jsonl").read_text() == (tmp_path / "b" / f"train_{d}.jsonl").read_text()
+    chat = load_prompts(tmp_path / "a" / "train_chat.jsonl")
+    assert first not in {r["turns"][0] for r in chat} and len(chat) == counts["train_chat.jsonl"] > 400
+    assert len({r["id"] for r in chat}) == len(chat)
+    assert counts["train_code.jsonl"] == 1 and counts["train_math.jsonl"] == 0
+
+
+def test_shipped_wide_pool_holds_no_eval_prompt():
+    for d in ("code", "chat"):
+        rows = [json.loads(l) for l in open(PROMPTS.parent / "prompts_wide" / f"train_{d}.jsonl")]
+        assert len(rows) >= 500 and len({r["id"] for r in rows}) == len(rows)
+        assert not {r["turns"][0] for r in rows} & {r["turns"][0] for r in _rows(f"eval_{d}.jsonl")}
+        assert not {r["turns"][0] for r in rows} & {r["turns"][0] for r in _rows(f"train_{d}.jsonl")}

@@ -8,7 +8,7 @@ Usage: python tools/profile_round.py MODEL_DIR [--reps 7] [--tokens 128] [--out 
 
 Sections (all in one process; alternatives are interleaved per repetition and medians
 reported, because the machine is shared and noisy):
-  verify  - target forward of K = 1, 2, 4, 8, 16 tokens after a ~100-token chat prompt
+  verify  - target forward of K = 1, 2, 3, 4, 5, 6, 8, 16 tokens after a ~100-token chat prompt
             (forward + commit(1), i.e. the mask rollback of K-1 rejected slots), ms.
   drafter - OVDrafter.propose at block 8 and 16, with and without the draft vocabulary
             (when drafter/draft_vocab.json exists), ms per call.
@@ -95,7 +95,7 @@ def prompt_ids(pipe, n=1):
     return [pipe.encode_prompt([{"role": "user", "content": p}]) for p in load_prompts("chat", n)]
 
 
-def verify_curve(pipe, prompt, reps, ks=(1, 2, 4, 8, 16)):
+def verify_curve(pipe, prompt, reps, ks=(1, 2, 3, 4, 5, 6, 8, 16)):
     target = pipe.target
     times = {k: [] for k in ks}
     for rep in range(reps):
