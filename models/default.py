@@ -38,7 +38,8 @@ DRAFTER_WEIGHT_FORMAT = "int8"
 # third run beside data generation (1.61 / 1.60 / 1.22x against 1.22 / 1.27 / 1.07x). On the
 # sessions 7-10 host (Zen 3, AVX2) block 2 was the best fixed choice (10 of 12 set-runs against
 # blocks 3-4 and "auto"): there a 4-token verify cost ~40 % more than a 2-token one. "auto"
-# (1.41-1.49 / 1.69-1.78 / 1.02-1.11x here) measures the host's costs; it stays opt-in.
+# (1.41-1.49 / 1.69-1.78 / 1.02-1.11x here) measures the host's costs; it stays opt-in. Session 14
+# (Zen 5): 1-4 tokens verify in 12.0-13.5 ms, 5 in 19.1; block 4 made 1.6-1.7x block 8 on every set.
 DEFAULT_BLOCK_SIZE = 4
 # part of the export's fingerprint: bump it when the exported graphs change (2: GQA attention
 # without the K/V broadcast), so a cached default model is exported again
