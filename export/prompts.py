@@ -443,16 +443,8 @@ def build_wide_pool(out_dir, eval_dir, seed: int = SEED, stdlib_dir=None) -> dic
     `eval_dir`'s eval sets."""
     rng = random.Random(seed)
     held = {r["turns"][0] for d in DOMAINS for r in load_prompts(Path(eval_dir) / f"eval_{d}.jsonl")}
-    counts = {}
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    for d, rows in (("code", stdlib_code_prompts(stdlib_dir)), ("math", []), ("chat", wide_chat_prompts(rng))):
-        rows = [r for r in rows if r["turns"][0] not in held]
-        rng.shuffle(rows)
-        with open(Path(out_dir) / f"train_{d}.jsonl", "w") as f:
-            for r in rows:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        counts[f"train_{d}.jsonl"] = len(rows)
-    return counts
+    rows = {"code": stdlib_code_prompts(stdlib_dir), "math": [], "chat": wide_chat_prompts(rng)}
+    return write_train_pool(out_dir, {d: [r for r in rows[d] if r["turns"][0] not in held] for d in DOMAINS}, rng)
 
 
 # ------------------------------------------------------------------ wheels
@@ -530,10 +522,8 @@ def build_prompt_pool(out_dir, cache_dir=None) -> dict:
         train = [r for r in pool[d] if r["id"] not in held]
         # MT-Bench math goes to the math eval too? No: only to training; the eval is hand-written.
         for name, rows in ((f"train_{d}.jsonl", train), (f"eval_{d}.jsonl", evals[d][:EVAL_PER_DOMAIN])):
-            with open(out_dir / name, "w") as f:
-                for r in rows:
-                    f.write(json.dumps({k: r[k] for k in ("id", "domain", "source", "turns")}, ensure_ascii=False) + "\n")
-            counts[name] = len(rows)
+            counts[name] = write_prompts(out_dir / name, [{k: r[k] for k in ("id", "domain", "source", "turns")}
+                                                         for r in rows])
     return counts
 
 
@@ -624,16 +614,26 @@ def build_followup_pool(data_dir, prompts_dir, hf_model_dir, out_dir, max_reply_
         source = first["source"] if first["source"].startswith("followup-") else f"followup-{first['source']}"
         rows[s.domain].append({"id": followup_id(s.prompt_id, s.mode, s.offset, variant), "domain": s.domain,
                                "source": source, "turns": asked + [ask], "replies": replies})
+    return write_train_pool(out_dir, rows, rng)
+
+
+def write_train_pool(out_dir, rows: dict[str, list[dict]], rng: random.Random) -> dict:
+    """Each domain's rows shuffled by `rng` (in DOMAINS order) into out_dir/train_<d>.jsonl;
+    returns {file name: row count}."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     counts = {}
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     for d in DOMAINS:
         rng.shuffle(rows[d])
-        with open(out_dir / f"train_{d}.jsonl", "w") as f:
-            for r in rows[d]:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        counts[f"train_{d}.jsonl"] = len(rows[d])
+        counts[f"train_{d}.jsonl"] = write_prompts(Path(out_dir) / f"train_{d}.jsonl", rows[d])
     return counts
+
+
+def write_prompts(path, rows: list[dict]) -> int:
+    """One JSON object a line (the shape load_prompts reads); returns the row count."""
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return len(rows)
 
 
 def load_prompts(path) -> list[dict]:
