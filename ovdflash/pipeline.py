@@ -8,7 +8,7 @@ Contract:
   compiles the target only (autoregressive baseline). `use_draft_vocab=False` ignores a
   shipped `drafter/draft_vocab.json` (full-vocabulary drafting head).
 - `generate(prompt_or_messages, max_new_tokens, temperature, top_p, top_k, seed, stop,
-  block_size, draft)` -> `GenerationResult(text, token_ids, finish_reason, stats)`.
+  block_size, draft, apply_chat_template)` -> `GenerationResult(text, token_ids, finish_reason, stats)`.
   `stream(...)` yields text once per accepted block (the same text, in pieces). `draft=None`
   uses the drafter when one is loaded; `draft=False` (or block_size=1) is plain autoregressive.
   `block_size="auto"`: a `block_policy.BlockPolicy` picks the drafts per round (0 = AR step, at
@@ -22,6 +22,10 @@ Contract:
 - A prompt is a string (encoded with the tokenizer's special tokens, and the manifest's
   `bos_token_id` in front if the tokenizer did not add it), a list of chat messages (rendered
   with the chat template, which carries its own special tokens), or a list of token ids.
+  `apply_chat_template=True` renders a string as one user message instead, as openvino.genai's
+  LLMPipeline does by default (ours stays a raw completion by default, like vLLM's `generate`
+  and transformers' text pipelines: a string is the model's input as written); it has no effect
+  on messages or token ids.
 - Stops: an EOS id ends generation at that token (kept in token_ids, not in text); a stop
   string ends it at the token that completes it, mid-block or not, and is cut from the text;
   streaming holds back text that could be the start of a stop string. `max_new_tokens` is
@@ -232,7 +236,9 @@ class DFlashPipeline:
         self.stats, self.last_stats = kept
 
     # -- text level ----------------------------------------------------------------------------
-    def encode_prompt(self, prompt_or_messages) -> list[int]:
+    def encode_prompt(self, prompt_or_messages, apply_chat_template: bool = False) -> list[int]:
+        if isinstance(prompt_or_messages, str) and apply_chat_template:
+            return self._tok().encode_chat([{"role": "user", "content": prompt_or_messages}])
         if isinstance(prompt_or_messages, str):
             ids = self._tok().encode(prompt_or_messages)
             if self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
@@ -250,10 +256,10 @@ class DFlashPipeline:
             raise ValueError("this pipeline has no tokenizer; use generate_tokens()")
         return self.tokenizer
 
-    def _blocks(self, prompt_or_messages, stop, result, **kwargs) -> Iterator[str]:
+    def _blocks(self, prompt_or_messages, stop, result, apply_chat_template: bool, **kwargs) -> Iterator[str]:
         """Text per accepted block; fills `result` (token_ids, text, finish_reason) as it goes."""
         stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
-        prompt_ids = self.encode_prompt(prompt_or_messages)
+        prompt_ids = self.encode_prompt(prompt_or_messages, apply_chat_template)
         detok = IncrementalDetokenizer(self._tok())
         eos = set(self.eos_token_ids if kwargs.get("eos_token_ids") is None else kwargs["eos_token_ids"])
         events = self.generate_tokens(prompt_ids, **kwargs)
@@ -284,19 +290,21 @@ class DFlashPipeline:
 
     def stream(self, prompt_or_messages, max_new_tokens: int = 256, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
-               block_size: int | str | None = None, draft: bool | None = None) -> Iterator[str]:
+               block_size: int | str | None = None, draft: bool | None = None,
+               apply_chat_template: bool = False) -> Iterator[str]:
         result = GenerationResult("", [], "", GenerationStats())
-        yield from self._blocks(prompt_or_messages, stop, result, max_new_tokens=max_new_tokens,
-                                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                block_size=block_size, draft=draft)
+        yield from self._blocks(prompt_or_messages, stop, result, apply_chat_template,
+                                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                top_k=top_k, seed=seed, block_size=block_size, draft=draft)
 
     def generate(self, prompt_or_messages, max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
-                 block_size: int | str | None = None, draft: bool | None = None) -> GenerationResult:
+                 block_size: int | str | None = None, draft: bool | None = None,
+                 apply_chat_template: bool = False) -> GenerationResult:
         result = GenerationResult("", [], "", GenerationStats())
-        for _ in self._blocks(prompt_or_messages, stop, result, max_new_tokens=max_new_tokens,
-                              temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                              block_size=block_size, draft=draft):
+        for _ in self._blocks(prompt_or_messages, stop, result, apply_chat_template,
+                              max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                              top_k=top_k, seed=seed, block_size=block_size, draft=draft):
             pass
         return result
 

@@ -254,3 +254,15 @@ def test_plain_prompts_get_the_manifest_bos_once():
     pipe.bos_token_id = EOS_ID
     assert pipe.encode_prompt("ab") == [EOS_ID, 97, 98]
     assert pipe.encode_prompt([{"role": "user", "content": "a"}])[0] != EOS_ID  # the template decides
+
+
+def test_apply_chat_template_renders_a_string_as_one_user_message():
+    pipe = text_pipeline()
+    as_message = pipe.encode_prompt([{"role": "user", "content": "ab"}])
+    assert pipe.encode_prompt("ab", apply_chat_template=True) == as_message
+    assert pipe.encode_prompt("ab") == [97, 98]  # the default stays a raw completion
+    assert pipe.encode_prompt([5, 6], apply_chat_template=True) == [5, 6]  # ids pass through
+    templated = pipe.generate("ab", max_new_tokens=12, apply_chat_template=True)
+    assert templated.token_ids == pipe.generate(as_message, max_new_tokens=12).token_ids
+    assert "".join(pipe.stream("ab", max_new_tokens=12, apply_chat_template=True)) == templated.text
+    assert templated.token_ids != pipe.generate("ab", max_new_tokens=12).token_ids
