@@ -31,7 +31,6 @@ import openvino as ov
 import openvino.opset13 as ops
 
 LOCATOR_KEY = "hidden_states_decoder_layers"
-DECOMPRESSION_KEY = "decompression_0"  # rt_info of a weight-decompression Convert (ov::Decompression)
 
 # ops that sit between a weight constant / hidden state and its consumer without changing
 # the meaning (decompression, layout); walked through when searching the graph
@@ -142,12 +141,12 @@ def _slice_rows(weight: ov.Output, rows: np.ndarray, axis: int) -> ov.Output:
             return weight
         return ops.constant(np.ascontiguousarray(np.take(data, rows, axis=axis)), node.get_element_type()).output(0)
     if kind == "Convert":
-        convert = ops.convert(_slice_rows(node.input_value(0), rows, axis), node.get_element_type())
-        # keep the weight-decompression mark (rt_info "decompression_0"): without it the CPU plugin
-        # folds the Convert and stores the sliced head in f32, twice the bytes of an fp16 head
-        if DECOMPRESSION_KEY in node.get_rt_info().keys():
-            convert.get_rt_info()[DECOMPRESSION_KEY] = ""  # the plugin checks the key only
-        return convert.output(0)
+        # The new Convert lacks the source's weight-decompression mark (rt_info "decompression_0"),
+        # so the CPU plugin folds an fp16 head slice to f32. Kept so on purpose: with the mark the
+        # head ran on fp16 weights and a draft call was faster alone (2.05 against 2.23 ms) but
+        # slower inside generation, right after a verify (2.50 against 2.10 ms a round, 91 against
+        # 96 tok/s; Zen 5, no avx512_fp16; docs/BENCHMARKS.md, session 15).
+        return ops.convert(_slice_rows(node.input_value(0), rows, axis), node.get_element_type()).output(0)
     if kind in ("Subtract", "Multiply"):
         args = []
         for i in range(2):

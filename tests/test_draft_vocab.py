@@ -4,9 +4,7 @@
   state times the target lm_head weight, argmax over the vocabulary's columns only, mapped
   back to target ids.
 - `_slice_rows` on an int8-style decompression pattern (u8 constant, zero point, scale) slices
-  the constants, so the head stays compressed, and equals the decompressed weight's rows; an
-  fp16 head's slice keeps the decompression mark, so the CPU plugin runs it with fp16 weights
-  instead of folding it to f32 (twice the bytes read every draft).
+  the constants, so the head stays compressed, and equals the decompressed weight's rows.
 - A model directory with `drafter/draft_vocab.json` still decodes greedily identical to AR
   (the target verifies every draft), every draft lies in the vocabulary, and
   `use_draft_vocab=False` brings the full head back.
@@ -87,30 +85,6 @@ def test_slice_rows_keeps_a_compressed_weight_compressed():
     model = ov.Model([ops.result(sliced)], [])
     got = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}).create_infer_request().infer({})
     np.testing.assert_allclose(next(iter(got.values())), full[rows], rtol=1e-3, atol=1e-3)
-
-
-def _head_weight_precision(weight: ov.Output) -> str:
-    """Compile `hidden @ weight.T` for CPU (f32 inference) and return the precision its
-    FullyConnected reads the weight in."""
-    hidden = ops.parameter([1, 4, 8], ov.Type.f32)
-    model = ov.Model([ops.result(ops.matmul(hidden, weight, False, True))], [hidden])
-    runtime = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}).get_runtime_model()
-    fcs = [op for op in runtime.get_ops() if op.get_rt_info()["layerType"].astype(str) == "FullyConnected"]
-    assert len(fcs) == 1
-    return fcs[0].input_value(1).get_node().get_rt_info()["outputPrecisions"].astype(str)
-
-
-def test_slice_rows_keeps_an_fp16_head_fp16_for_the_plugin():
-    from ovdflash.graphs import DECOMPRESSION_KEY
-    table = np.random.default_rng(2).standard_normal((64, 8)).astype(np.float16)
-    rows = np.array([1, 5, 9, 33], np.int64)
-    outputs = {}
-    for marked in (True, False):
-        convert = ops.convert(ops.constant(table), ov.Type.f32)
-        if marked:  # how an fp16 IR's weight decompression arrives from read_model
-            convert.get_rt_info()[DECOMPRESSION_KEY] = ""
-        outputs[marked] = _head_weight_precision(_slice_rows(convert.output(0), rows, 0))
-    assert outputs == {True: "f16", False: "f32"}  # the unmarked slice shows what the mark prevents
 
 
 def test_read_draft_vocab_sorts_dedups_and_rejects_garbage(tmp_path):
