@@ -264,3 +264,14 @@ def test_shipped_wide_pool_holds_no_eval_prompt():
         assert len(rows) >= 500 and len({r["id"] for r in rows}) == len(rows)
         assert not {r["turns"][0] for r in rows} & {r["turns"][0] for r in _rows(f"eval_{d}.jsonl")}
         assert not {r["turns"][0] for r in rows} & {r["turns"][0] for r in _rows(f"train_{d}.jsonl")}
+
+
+def test_shipped_wide_followup_pool_asks_second_turns_of_wide_prompts_only():
+    for d in ("code", "chat"):
+        wide = PROMPTS.parent / "prompts_wide" / f"train_{d}.jsonl"
+        firsts = {json.loads(line)["turns"][0] for line in open(wide)}
+        rows = [json.loads(l) for l in open(PROMPTS.parent / "prompts_wide_followup" / f"train_{d}.jsonl")]
+        assert len(rows) >= 200 and len({r["id"] for r in rows}) == len(rows)
+        assert {r["turns"][0] for r in rows} <= firsts
+        assert not {r["turns"][0] for r in rows} & {r["turns"][0] for r in _rows(f"eval_{d}.jsonl")}
+        assert all(len(r["turns"]) == 2 and len(r["replies"]) == 1 and r["replies"][0] for r in rows)
