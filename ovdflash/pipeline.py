@@ -237,8 +237,8 @@ class DFlashPipeline:
 
     # -- text level ----------------------------------------------------------------------------
     def encode_prompt(self, prompt_or_messages, apply_chat_template: bool = False) -> list[int]:
-        if isinstance(prompt_or_messages, str) and apply_chat_template:
-            return self._tok().encode_chat([{"role": "user", "content": prompt_or_messages}])
+        if isinstance(prompt_or_messages, str) and apply_chat_template:  # then as any message list
+            prompt_or_messages = [{"role": "user", "content": prompt_or_messages}]
         if isinstance(prompt_or_messages, str):
             ids = self._tok().encode(prompt_or_messages)
             if self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
