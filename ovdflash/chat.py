@@ -66,8 +66,11 @@ def _sigint_to_main_thread_only():
 @click.option("--max-new-tokens", "-n", type=int, default=512, show_default=True)
 @click.option("--block-size", default=None, metavar="N|auto",
               help="Tokens per draft block, or 'auto' (picked per round from measured costs and acceptance); "
-                   "default: the model directory's default_block_size (the embedded default: 2).")
+                   "default: the model directory's default_block_size (the embedded default: 4).")
 @click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding on the same target.")
+@click.option("--prompt-lookup/--no-prompt-lookup", default=True, show_default=True,
+              help="Let rounds whose text so far ends with an n-gram seen earlier verify what followed it "
+                   "instead of the drafter's block (output unchanged).")
 @click.option("--seed", type=int, default=None, help="Sampling seed (reproducible replies).")
 @click.option("--device", "-d", default="CPU", show_default=True, help="OpenVINO device.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
@@ -77,8 +80,8 @@ def _sigint_to_main_thread_only():
 @click.option("--target-runner", type=click.Choice(TARGET_RUNNERS), default=None,
               help="How the target's attention runs: paged (openvino's paged attention; the default) or stateful "
                    "(the exported IR's KV states). Default: the model directory's choice.")
-def chat(model_dir, prompt, system, temperature, top_p, top_k, max_new_tokens, block_size, no_draft, seed,
-         device, cache_dir, config, target_runner):
+def chat(model_dir, prompt, system, temperature, top_p, top_k, max_new_tokens, block_size, no_draft, prompt_lookup,
+         seed, device, cache_dir, config, target_runner):
     """Chat with MODEL_DIR (default: SmolLM2-135M + shipped drafter)."""
     from .pipeline import DFlashPipeline
     from .sampling import SamplingParams
@@ -89,7 +92,7 @@ def chat(model_dir, prompt, system, temperature, top_p, top_k, max_new_tokens, b
         with _sigint_to_main_thread_only():
             pipe = DFlashPipeline.from_pretrained(model_dir, device=device, draft=not no_draft,
                                                   cache_dir=cache_dir, target_runner=target_runner,
-                                                  **_parse_config(config))
+                                                  prompt_lookup=prompt_lookup, **_parse_config(config))
             pipe.warm_up(block_size=block_size)  # with "auto" this measures its costs
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from exc

@@ -24,6 +24,9 @@ Contract:
   drafter's context; `begin_sequence()` is called after each prefill. Every round and
   step it chose is reported back with its wall time. Only the number of verified tokens
   changes, so output is the same as with any fixed block.
+- With a `lookup` (`lookup.NgramLookup`), a round whose text so far ends with an n-gram seen
+  earlier verifies the tokens that followed it instead of the drafter's, and skips the drafter's
+  call; the drafter gets the features it missed at its next call. Output is unchanged.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
+from .lookup import NgramLookup
 from .sampling import SamplingParams, accept, sample_token
 from .stats import GenerationStats
 
@@ -75,20 +79,28 @@ class PromptTooLongError(ValueError):
 
 def speculative_round(target: TargetRunner, drafter: DrafterRunner, last: int, ctx_feats: np.ndarray,
                       block_size: int, params: SamplingParams, rng: np.random.Generator,
-                      stats: GenerationStats) -> tuple[list[int], int, np.ndarray]:
-    """One DFlash round. Returns (accepted drafts, next target token, features of the committed tokens)."""
+                      stats: GenerationStats, lookup_drafts: np.ndarray | None = None
+                      ) -> tuple[list[int], int, np.ndarray]:
+    """One DFlash round. `lookup_drafts` (at most block_size - 1 tokens copied by n-gram lookup
+    from the sequence so far) replace the drafter's proposal, and the drafter is not called: the
+    context features it has not seen wait for its next call. Returns (accepted drafts, next target
+    token, context features the drafter has not seen yet)."""
     start = target.committed  # `last` sits at logical position `start`, not yet in the target cache
     t0 = time.perf_counter()
-    drafts = drafter.propose(last, ctx_feats, start, block_size - 1)   # argmax proposals for start+1..
+    if lookup_drafts is None:
+        drafts = drafter.propose(last, ctx_feats, start, block_size - 1)   # argmax proposals for start+1..
+        unseen = ctx_feats[:0]
+    else:
+        drafts, unseen = lookup_drafts, ctx_feats
     t1 = time.perf_counter()
     verify_ids = np.concatenate(([last], drafts)).astype(np.int64)
     logits, feats = target.forward(verify_ids, all_logits=True)       # row i scores position start+i+1
     num_accepted, next_token = accept(drafts, logits, params, rng)
-    new_feats = np.array(feats[: num_accepted + 1])                   # copy: the view dies next call
+    new_feats = np.concatenate([unseen, feats[: num_accepted + 1]])  # a copy: the view dies next call
     target.commit(num_accepted + 1)   # rejected slots are masked out, never copied
     stats.draft_s += t1 - t0
     stats.verify_s += time.perf_counter() - t1
-    stats.record_round(len(drafts), num_accepted)
+    stats.record_round(len(drafts), num_accepted, from_lookup=lookup_drafts is not None)
     return [int(d) for d in drafts[:num_accepted]], next_token, new_feats
 
 
@@ -106,7 +118,7 @@ def autoregressive_step(target: TargetRunner, feed_drafter: bool, last: int, ctx
 def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Sequence[int],
              max_new_tokens: int, params: SamplingParams, eos_token_ids: Sequence[int] = (),
              block_size: int | None = None, stats: GenerationStats | None = None,
-             policy: BlockSizePolicy | None = None) -> Iterator[TokenEvent]:
+             policy: BlockSizePolicy | None = None, lookup: NgramLookup | None = None) -> Iterator[TokenEvent]:
     """Speculative (drafter given, block_size >= 2) or autoregressive generation; see module doc."""
     stats = stats if stats is not None else GenerationStats()
     prompt = np.asarray(prompt_ids, dtype=np.int64)
@@ -136,6 +148,8 @@ def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Se
     target.commit(len(prompt))
     last = sample_token(logits[-1], params, rng)
     ctx_feats = np.array(feats)
+    if lookup is not None:
+        lookup.reset(np.append(prompt, last))
     stats.prefill_s += time.perf_counter() - t_start
     if policy is not None:
         policy.begin_sequence()
@@ -167,11 +181,14 @@ def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Se
                 stats.num_ar_steps += 1
                 accepted = []
             else:
+                lookup_drafts = lookup.propose(block - 1) if lookup is not None else None
                 accepted, last, ctx_feats = speculative_round(target, drafter, last, ctx_feats, block,
-                                                              params, rng, stats)
+                                                              params, rng, stats, lookup_drafts)
             if policy_decides:
                 policy.observe_round(block - 1, len(accepted), time.perf_counter() - t_round)
             pending = [(t, True) for t in accepted] + [(last, False)]
+            if lookup is not None:
+                lookup.extend(accepted + [last])
     finally:  # also runs when the consumer stops early (stop string, Ctrl-C)
         stats.num_compactions += target.num_compactions - compactions_before
         stats.total_s += time.perf_counter() - t_start

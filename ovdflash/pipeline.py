@@ -19,6 +19,9 @@ Contract:
   the embedded default model fixes 2, measured faster than "auto" on these cores:
   docs/BENCHMARKS.md), the trained block size (`block_size`) for a pipeline built directly.
   `generate_tokens(prompt_ids, ...)` is the token-level API (engine.TokenEvent per token).
+- `prompt_lookup` (from_pretrained, default True; per call: None = the pipeline's): rounds whose
+  text so far ends with an n-gram seen earlier in it verify the tokens that followed it instead
+  of the drafter's (ovdflash.lookup; output unchanged). Only with the drafter in use.
 - A prompt is a string (encoded with the tokenizer's special tokens, and the manifest's
   `bos_token_id` in front if the tokenizer did not add it), a list of chat messages (rendered
   with the chat template, which carries its own special tokens), or a list of token ids.
@@ -40,6 +43,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from . import DEFAULT_TARGET_RUNNER, TARGET_RUNNERS, engine
+from .lookup import NgramLookup
 from .block_policy import BlockPolicy, measure_costs
 from .sampling import SamplingParams
 from .stats import GenerationStats
@@ -132,7 +136,8 @@ def default_compile_config(manifest: dict) -> dict:
 class DFlashPipeline:
     def __init__(self, target, drafter, tokenizer: Tokenizer | None, eos_token_ids: Sequence[int],
                  block_size: int, mask_token_id: int | None = None, model_dir: Path | None = None,
-                 bos_token_id: int | None = None, default_block_size: int | str | None = None):
+                 bos_token_id: int | None = None, default_block_size: int | str | None = None,
+                 prompt_lookup: bool = True):
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -145,11 +150,13 @@ class DFlashPipeline:
         self.stats = GenerationStats()       # cumulative
         self.last_stats = GenerationStats()  # latest call
         self.block_policy: BlockPolicy | None = None  # for block_size="auto"; built on first use
+        self.prompt_lookup = prompt_lookup  # n-gram lookup drafts beside the drafter's (ovdflash.lookup)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path | None = None, device: str = "CPU", draft: bool = True,
                         cache_dir: str | Path | None = None, use_draft_vocab: bool = True,
-                        target_runner: str | None = None, **compile_options) -> "DFlashPipeline":
+                        target_runner: str | None = None, prompt_lookup: bool = True,
+                        **compile_options) -> "DFlashPipeline":
         from .ov_models import compile_runners  # openvino is only needed from here on
 
         model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
@@ -176,14 +183,16 @@ class DFlashPipeline:
         except ValueError as exc:
             raise ValueError(f"{model_dir / 'manifest.json'}: {exc}") from None
         return cls(target, drafter, tokenizer, manifest.get("eos_token_ids", []), block_size,
-                   manifest.get("mask_token_id"), model_dir, manifest.get("bos_token_id"), default_block_size)
+                   manifest.get("mask_token_id"), model_dir, manifest.get("bos_token_id"), default_block_size,
+                   prompt_lookup)
 
     # -- token level ---------------------------------------------------------------------------
     def generate_tokens(self, prompt_ids: Sequence[int], max_new_tokens: int = 256, temperature: float = 0.0,
                         top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                         block_size: int | str | None = None, draft: bool | None = None,
                         eos_token_ids: Sequence[int] | None = None,
-                        stats: GenerationStats | None = None) -> Iterator[engine.TokenEvent]:
+                        stats: GenerationStats | None = None,
+                        prompt_lookup: bool | None = None) -> Iterator[engine.TokenEvent]:
         params = SamplingParams(temperature, top_p, top_k, seed)
         if draft and self.drafter is None:
             raise ValueError("draft=True, but this pipeline was loaded without a drafter")
@@ -197,8 +206,10 @@ class DFlashPipeline:
             block_size = self.block_size
         eos = self.eos_token_ids if eos_token_ids is None else eos_token_ids
         call_stats = GenerationStats()
+        use_lookup = self.prompt_lookup if prompt_lookup is None else prompt_lookup
+        lookup = NgramLookup() if use_lookup and use_drafter is not None else None
         events = engine.generate(self.target, use_drafter, prompt_ids, max_new_tokens, params, eos,
-                                 block_size if use_drafter is not None else 1, call_stats, policy)
+                                 block_size if use_drafter is not None else 1, call_stats, policy, lookup)
         return self._recorded(events, call_stats, stats)
 
     def auto_block_policy(self) -> BlockPolicy:
@@ -291,20 +302,22 @@ class DFlashPipeline:
     def stream(self, prompt_or_messages, max_new_tokens: int = 256, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
                block_size: int | str | None = None, draft: bool | None = None,
-               apply_chat_template: bool = False) -> Iterator[str]:
+               apply_chat_template: bool = False, prompt_lookup: bool | None = None) -> Iterator[str]:
         result = GenerationResult("", [], "", GenerationStats())
         yield from self._blocks(prompt_or_messages, stop, result, apply_chat_template,
                                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                top_k=top_k, seed=seed, block_size=block_size, draft=draft)
+                                top_k=top_k, seed=seed, block_size=block_size, draft=draft,
+                                prompt_lookup=prompt_lookup)
 
     def generate(self, prompt_or_messages, max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
                  block_size: int | str | None = None, draft: bool | None = None,
-                 apply_chat_template: bool = False) -> GenerationResult:
+                 apply_chat_template: bool = False, prompt_lookup: bool | None = None) -> GenerationResult:
         result = GenerationResult("", [], "", GenerationStats())
         for _ in self._blocks(prompt_or_messages, stop, result, apply_chat_template,
                               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                              top_k=top_k, seed=seed, block_size=block_size, draft=draft):
+                              top_k=top_k, seed=seed, block_size=block_size, draft=draft,
+                                prompt_lookup=prompt_lookup):
             pass
         return result
 

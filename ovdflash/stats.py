@@ -10,6 +10,8 @@ and `GenerationStats.merge` folds calls into a cumulative total. Counters:
 - accepted_per_position[i]: rounds whose draft i was accepted; drafted_per_position[i]: rounds
   that proposed a draft at position i (blocks may shrink near limits).
 - acceptance_length_histogram[n]: rounds that emitted n tokens (n = accepted + 1).
+- num_lookup_drafts, num_lookup_draft_tokens, num_lookup_accepted_tokens: the part of the three
+  counters above whose drafts came from n-gram lookup (ovdflash.lookup) instead of the drafter.
 - Times in seconds: prefill (part of TTFT), draft, verify, total. TTFT = call start to first
   token; TPOT = (total - TTFT) / (tokens - 1).
 """
@@ -26,6 +28,9 @@ class GenerationStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_ar_steps: int = 0  # plain target steps (AR mode, or too little room for a block)
+    num_lookup_drafts: int = 0
+    num_lookup_draft_tokens: int = 0
+    num_lookup_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     acceptance_length_histogram: dict[int, int] = field(default_factory=dict)
@@ -37,7 +42,11 @@ class GenerationStats:
     total_s: float = 0.0
     num_calls: int = 0
 
-    def record_round(self, num_drafted: int, num_accepted: int) -> None:
+    def record_round(self, num_drafted: int, num_accepted: int, from_lookup: bool = False) -> None:
+        if from_lookup:
+            self.num_lookup_drafts += 1
+            self.num_lookup_draft_tokens += num_drafted
+            self.num_lookup_accepted_tokens += num_accepted
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
@@ -75,7 +84,8 @@ class GenerationStats:
     def merge(self, other: "GenerationStats") -> None:
         """Add another call's stats into this cumulative total (TTFT adds up; see mean_ttft_s)."""
         for name in ("num_prompt_tokens", "num_output_tokens", "num_drafts", "num_draft_tokens",
-                     "num_accepted_tokens", "num_ar_steps", "num_compactions", "prefill_s",
+                     "num_accepted_tokens", "num_ar_steps", "num_lookup_drafts",
+                     "num_lookup_draft_tokens", "num_lookup_accepted_tokens", "num_compactions", "prefill_s",
                      "draft_s", "verify_s", "ttft_s", "total_s", "num_calls"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for i, (a, d) in enumerate(zip(other.accepted_per_position, other.drafted_per_position)):
@@ -99,6 +109,9 @@ class GenerationStats:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_ar_steps": self.num_ar_steps,
+            "num_lookup_drafts": self.num_lookup_drafts,
+            "num_lookup_draft_tokens": self.num_lookup_draft_tokens,
+            "num_lookup_accepted_tokens": self.num_lookup_accepted_tokens,
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "per_position_acceptance_rate": self.per_position_acceptance_rate,
@@ -121,6 +134,8 @@ class GenerationStats:
             line += (f", accept len {self.mean_acceptance_length:.2f}, "
                      f"accept rate {self.acceptance_rate:.2f}, "
                      f"draft {1e3 * self.draft_s:.0f} ms / verify {1e3 * self.verify_s:.0f} ms")
+        if self.num_lookup_drafts:
+            line += f", {self.num_lookup_drafts} of {self.num_drafts} rounds drafted by lookup"
         return line
 
     def report(self) -> str:
@@ -129,6 +144,9 @@ class GenerationStats:
                  f"drafts {self.num_drafts}, draft tokens {self.num_draft_tokens}, "
                  f"accepted {self.num_accepted_tokens}, AR steps {self.num_ar_steps}, "
                  f"compactions {self.num_compactions}"]
+        if self.num_lookup_drafts:
+            lines.append(f"n-gram lookup: {self.num_lookup_drafts} of the drafts, "
+                         f"{self.num_lookup_accepted_tokens} of {self.num_lookup_draft_tokens} tokens accepted")
         if self.num_drafts:
             lines.append("per-position acceptance: "
                          + ", ".join(f"{r:.2f}" for r in self.per_position_acceptance_rate))

@@ -24,14 +24,14 @@ except ImportError:
 
 @pytest.fixture(scope="module")
 def result(tiny_pair, tmp_path_factory):
-    modes = ["dflash", "ar"] + (["genai-ar"] if HAVE_GENAI else [])
+    modes = ["dflash", "dflash-nopl", "ar"] + (["genai-ar"] if HAVE_GENAI else [])
     config = {**STRICT_F32, "CACHE_DIR": str(tmp_path_factory.mktemp("ov_cache")), "INFERENCE_NUM_THREADS": 1}
     return run_benchmark(tiny_pair, ["code"], num_prompts=2, max_new_tokens=12, modes=modes, block_sizes=[2, 4],
                          repetitions=2, warmup=0, config=config)
 
 
 def test_every_mode_runs_every_prompt_interleaved(result):
-    expected = ["dflash@2", "dflash@4", "ar"] + (["genai-ar"] if HAVE_GENAI else [])
+    expected = ["dflash@2", "dflash@4", "dflash-nopl@2", "dflash-nopl@4", "ar"] + (["genai-ar"] if HAVE_GENAI else [])
     assert result["modes"] == expected
     assert result["target_runner"] == "paged"  # the default
     runs = result["runs"]
@@ -53,11 +53,14 @@ def test_summary_arithmetic(result):
         assert modes[name]["tokens_per_s"] == pytest.approx(statistics.median(rates), rel=0.02)
     best = max(modes[m]["tokens_per_s"] for m in ("ar", "genai-ar") if m in modes)
     assert data["best_ar_tokens_per_s"] == best
-    for b in (2, 4):
-        e = modes[f"dflash@{b}"]
+    for name in ("dflash@2", "dflash@4", "dflash-nopl@2", "dflash-nopl@4"):
+        b, e = int(name[-1]), modes[name]
         assert e["speedup"] == pytest.approx(e["tokens_per_s"] / best)
         assert e["cost_reduction_per_token"] == pytest.approx(1 - 1 / e["speedup"])
-        assert data["ratios"][f"dflash@{b} / best AR"] == pytest.approx(e["speedup"])
+        assert data["ratios"][f"{name} / best AR"] == pytest.approx(e["speedup"])
+        assert 0 <= e["num_lookup_accepted_tokens"] and e["num_lookup_drafts"] <= e["num_drafts"]
+        if "nopl" in name:  # the drafter alone
+            assert e["num_lookup_drafts"] == 0
         # blocks shrink near max_new_tokens, never grow
         assert e["num_drafts"] <= e["num_draft_tokens"] <= (b - 1) * e["num_drafts"]
         assert 0 <= e["num_accepted_tokens"] <= e["num_draft_tokens"]

@@ -60,8 +60,10 @@ def test_greedy_dflash_equals_autoregressive_over_many_prompts(strict_pipe):
             mismatches.append((i, len(prompt), next(j for j, (a, b) in enumerate(zip(ar, spec)) if a != b)))
     print(f"lossless: {NUM_PROMPTS - len(mismatches)}/{NUM_PROMPTS} identical; "
           f"rounds {stats.num_drafts}, drafts {stats.num_draft_tokens}, accepted {stats.num_accepted_tokens}, "
-          f"compactions {pipe.target.num_compactions - compactions_before}")
+          f"compactions {pipe.target.num_compactions - compactions_before}, "
+          f"lookup rounds {stats.num_lookup_drafts} ({stats.num_lookup_accepted_tokens} accepted)")
     assert not mismatches, mismatches
+    assert stats.num_lookup_drafts > 0 and stats.num_lookup_drafts < stats.num_drafts  # both kinds of round
     assert stats.num_draft_tokens - stats.num_accepted_tokens > 500  # many rolled-back drafts
     if hasattr(pipe.target, "compact"):  # the stateful runner's state trim ran too
         assert pipe.target.num_compactions - compactions_before >= 1
@@ -113,7 +115,7 @@ def test_long_accepted_prefixes_through_the_real_target(strict_pipe):
     for i, prompt in enumerate(random_prompts(8, vocab, seed=1)):
         ar = tokens(pipe.generate_tokens(prompt, 60, draft=False, eos_token_ids=[]))
         oracle = OracleDrafter(prompt + ar, block_size=5, vocab=vocab, seed=i)
-        pipe_oracle = DFlashPipeline(pipe.target, oracle, pipe.tokenizer, [], 5)
+        pipe_oracle = DFlashPipeline(pipe.target, oracle, pipe.tokenizer, [], 5, prompt_lookup=False)
         spec = tokens(pipe_oracle.generate_tokens(prompt, 60, eos_token_ids=[], stats=total))
         assert spec == ar
     assert set(total.acceptance_length_histogram) >= {1, 2, 3, 4, 5}

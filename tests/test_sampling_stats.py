@@ -30,13 +30,13 @@ SETTINGS = {
 }
 
 
-def exact_joint(target, params):
+def exact_joint(target, params, prompt=PROMPT):
     """{sequence of NUM_TOKENS tokens: probability} by enumerating the plain AR process."""
     joint = {(): 1.0}
     for _ in range(NUM_TOKENS):
         nxt = {}
         for seq, p in joint.items():
-            probs = warp_probs(target.logits_fn(PROMPT + list(seq)), params)
+            probs = warp_probs(target.logits_fn(prompt + list(seq)), params)
             for t in np.flatnonzero(probs):
                 nxt[seq + (int(t),)] = p * probs[t]
         joint = nxt
@@ -63,18 +63,19 @@ def chisquare_p(sample_counts, expected_probs, n):
     return sps.chisquare(observed, expected).pvalue
 
 
-def sample_counts(target, drafter, params, n):
+def sample_counts(target, drafter, params, n, prompt=PROMPT, lookup=None, stats=None):
     counts = {}
     for i in range(n):
         p = SamplingParams(params.temperature, params.top_p, params.top_k, seed=i)
-        seq = tuple(e.token for e in engine.generate(target, drafter, PROMPT, NUM_TOKENS, p))
+        seq = tuple(e.token for e in engine.generate(target, drafter, prompt, NUM_TOKENS, p, stats=stats,
+                                                     lookup=lookup))
         counts[seq] = counts.get(seq, 0) + 1
     return counts
 
 
-def p_values(target, drafter, params):
-    joint = exact_joint(target, params)
-    counts = sample_counts(target, drafter, params, NUM_SAMPLES)
+def p_values(target, drafter, params, prompt=PROMPT, lookup=None, stats=None):
+    joint = exact_joint(target, params, prompt)
+    counts = sample_counts(target, drafter, params, NUM_SAMPLES, prompt, lookup, stats)
     checks = [(0,), (1,), (2,), (3,), (4,), (1, 2), (3, 4)]
     return {pos: chisquare_p(marginal(counts, pos), marginal(joint, pos), NUM_SAMPLES) for pos in checks}
 
@@ -95,6 +96,24 @@ def test_dflash_sampling_matches_exact_ar_distribution(mock_pair, setting):
     print(setting, "dflash", {k: round(v, 4) for k, v in spec.items()}, "ar", {k: round(v, 4) for k, v in ar.items()})
     assert min(spec.values()) > P_THRESHOLD, spec
     assert min(ar.values()) > P_THRESHOLD, ar
+
+
+LOOKUP_PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats itself: n-gram lookup drafts from the first round
+
+
+@pytest.mark.parametrize("setting", ["temperature", "top_p"])
+def test_sampling_with_lookup_drafts_matches_exact_ar_distribution(mock_pair, setting):
+    """Lookup drafts are one-hot proposals too: the emitted tokens keep the AR distribution."""
+    from ovdflash.lookup import NgramLookup
+    from ovdflash.stats import GenerationStats
+    target, drafter = mock_pair
+    stats = GenerationStats()
+    spec = p_values(target, drafter, SETTINGS[setting], LOOKUP_PROMPT, NgramLookup(), stats)
+    print(setting, "dflash+lookup", {k: round(v, 4) for k, v in spec.items()})
+    assert min(spec.values()) > P_THRESHOLD, spec
+    # both kinds of round ran, and lookup drafts were both accepted and rejected
+    assert 0 < stats.num_lookup_drafts < stats.num_drafts
+    assert 0 < stats.num_lookup_accepted_tokens < stats.num_lookup_draft_tokens
 
 
 def test_negative_control_biased_residual_is_detected(mock_pair, monkeypatch):
