@@ -176,16 +176,19 @@ def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Se
             if policy_decides:
                 block = 1 + policy.choose(block - 1)
             t_round = time.perf_counter()
+            num_drafted = block - 1
             if drafter is None or block < 2:
                 last, ctx_feats = autoregressive_step(target, drafter is not None, last, ctx_feats, params, rng)
                 stats.num_ar_steps += 1
                 accepted = []
             else:
                 lookup_drafts = lookup.propose(block - 1) if lookup is not None else None
+                if lookup_drafts is not None:  # a match near the end may offer fewer tokens
+                    num_drafted = len(lookup_drafts)
                 accepted, last, ctx_feats = speculative_round(target, drafter, last, ctx_feats, block,
                                                               params, rng, stats, lookup_drafts)
             if policy_decides:
-                policy.observe_round(block - 1, len(accepted), time.perf_counter() - t_round)
+                policy.observe_round(num_drafted, len(accepted), time.perf_counter() - t_round)
             pending = [(t, True) for t in accepted] + [(last, False)]
             if lookup is not None:
                 lookup.extend(accepted + [last])

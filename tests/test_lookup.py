@@ -130,3 +130,31 @@ def test_lookup_rounds_mixed_with_ar_steps_and_a_policy_keep_the_drafter_in_sync
                                           policy=Alternating(), lookup=NgramLookup())]
         assert spec == ar
         assert stats.num_ar_steps > 0 and stats.num_lookup_drafts > 0
+
+
+def test_a_policy_learns_the_number_of_tokens_a_lookup_round_really_drafted():
+    class Recorder:
+        max_drafts = 7
+
+        def __init__(self):
+            self.rounds = []
+
+        def begin_sequence(self):
+            pass
+
+        def choose(self, max_drafts):
+            return max_drafts
+
+        def observe_round(self, drafted, accepted, seconds=None):
+            self.rounds.append((drafted, accepted))
+
+    target = cycling_target(seed=2)
+    drafter = MockDrafter(target, block_size=8, error_rate=0.5, seed=4)
+    policy, stats = Recorder(), GenerationStats()
+    # a match near the end of a short history offers fewer than the 7 tokens asked for, and the
+    # policy must hear the real count (not 7 with the missing ones counted as rejected)
+    list(generate(target, drafter, [3, 9, 3, 9], 60, SamplingParams(), stats=stats, policy=policy,
+                  lookup=NgramLookup()))
+    assert sum(d for d, _ in policy.rounds) == stats.num_draft_tokens
+    assert all(a <= d for d, a in policy.rounds)
+    assert any(d < 7 for d, _ in policy.rounds)
