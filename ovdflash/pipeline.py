@@ -16,7 +16,7 @@ Contract:
   "auto" call (`auto_block_policy()`, ~2-6 s on SmolLM2) and it keeps learning acceptance
   across calls. `block_size=None` means `default_block_size`: from `from_pretrained`, the
   manifest's `default_block_size` ("auto" when absent; `ovdflash export --default-block-size`;
-  the embedded default model fixes 2, measured faster than "auto" on these cores:
+  the embedded default model fixes 4, ahead of 2 and level with "auto" on Zen 3-5 hosts:
   docs/BENCHMARKS.md), the trained block size (`block_size`) for a pipeline built directly.
   `generate_tokens(prompt_ids, ...)` is the token-level API (engine.TokenEvent per token).
 - `prompt_lookup` (from_pretrained, default True; per call: None = the pipeline's): rounds whose
