@@ -419,9 +419,10 @@ def _ratios(per_mode: dict, best_ar: float) -> dict:
     for name, value in tps.items():
         if name.startswith(SPECULATIVE):
             out[f"{name} / best AR"] = value / best_ar
-            rival = "genai-dflash@" + name.split("@", 1)[1]  # with or without lookup: the same rival
-            if name.startswith("dflash") and rival in tps:
-                out[f"{name} / {rival}"] = value / tps[rival]
+            if name.startswith("dflash"):  # with or without lookup: the same rival
+                rival = "genai-dflash@" + name.split("@", 1)[1]
+                if rival in tps:
+                    out[f"{name} / {rival}"] = value / tps[rival]
     if "ar" in tps and "genai-ar" in tps:
         out["ar / genai-ar"] = tps["ar"] / tps["genai-ar"]
     return out

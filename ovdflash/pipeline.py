@@ -317,7 +317,7 @@ class DFlashPipeline:
         for _ in self._blocks(prompt_or_messages, stop, result, apply_chat_template,
                               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, block_size=block_size, draft=draft,
-                                prompt_lookup=prompt_lookup):
+                              prompt_lookup=prompt_lookup):
             pass
         return result
 
