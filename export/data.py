@@ -10,6 +10,12 @@ Contract (data directory, e.g. `models/smollm2/data/`):
 - `meta.json`: generator, model, settings, and the running throughput log.
 - Resumable: rows are appended after their tokens; on start, tokens.bin is truncated to the end of
   the last indexed sequence and (prompt_id, mode, rep) pairs already present are skipped.
+- Packed: at rest (and in git) a directory holds `tokens.bin.xz` and `index.jsonl.xz` instead of
+  the two files above (xz shrinks them ~5x and ~14x: sampled replies repeat their prompts). A
+  writer unpacks them, appends, and packs again on close (`ShardWriter.close`), removing the plain
+  files; a killed writer leaves them, and they then extend the packed copies, so readers take
+  whichever is longer (`read_tokens`, `read_index`) and fail if neither extends the other. This
+  keeps the repository small enough to travel to a lent GPU machine (64 MiB in all).
 
 Generation runs on OpenVINO GenAI's `ContinuousBatchingPipeline` over a target IR exported with
 optimum-intel (int8 weights, f32 inference: bf16 hurts SmolLM2), fed token ids directly so the
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import lzma
 import os
 import time
 from dataclasses import dataclass
@@ -42,20 +49,57 @@ class Sequence:
     data_dir: str = ""    # the resolved directory it was read from
 
 
+TOKENS, INDEX, PACKED = "tokens.bin", "index.jsonl", ".xz"
+
+
+def _current_bytes(data_dir: Path, name: str) -> bytes | None:
+    """The content of `name` in a data directory: the plain file, its packed copy, or (both
+    present) the one that extends the other (see the module docstring); None if neither exists."""
+    plain, packed = data_dir / name, data_dir / (name + PACKED)
+    raw = plain.read_bytes() if plain.is_file() else None
+    unpacked = lzma.decompress(packed.read_bytes()) if packed.is_file() else None
+    if raw is None or unpacked is None:
+        return raw if unpacked is None else unpacked
+    if raw.startswith(unpacked):
+        return raw
+    if unpacked.startswith(raw):
+        return unpacked
+    raise ValueError(f"{plain} and {packed.name} disagree (neither extends the other): keep the right one, delete the other")
+
+
+def read_tokens(data_dir) -> np.ndarray:
+    """tokens.bin as uint16 (empty if the directory has none)."""
+    data = _current_bytes(Path(data_dir), TOKENS)
+    return np.frombuffer(data or b"", dtype=np.uint16)
+
+
 def read_index(data_dir) -> list[dict]:
-    path = Path(data_dir) / "index.jsonl"
-    if not path.exists():
-        return []
+    data = _current_bytes(Path(data_dir), INDEX)
     rows = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:  # a torn last line from a killed writer
-                    break
+    for line in (data or b"").decode().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a torn last line from a killed writer
+                break
     return rows
+
+
+def pack_data_dir(data_dir) -> None:
+    """Write tokens.bin.xz and index.jsonl.xz from the directory's current content (tokens cut at
+    the end of the last indexed sequence) and remove the plain files."""
+    data_dir = Path(data_dir)
+    rows = read_index(data_dir)
+    end = max((r["offset"] + r["total_len"] for r in rows), default=0)
+    tokens = read_tokens(data_dir)[:end]
+    index = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    for name, data in ((TOKENS, tokens.tobytes()), (INDEX, index)):
+        tmp = data_dir / (name + PACKED + ".tmp")
+        tmp.write_bytes(lzma.compress(data, preset=6))
+        os.replace(tmp, data_dir / (name + PACKED))
+    for name in (TOKENS, INDEX):
+        (data_dir / name).unlink(missing_ok=True)
 
 
 def load_sequences(data_dir, min_response: int = 2) -> list[Sequence]:
@@ -64,7 +108,7 @@ def load_sequences(data_dir, min_response: int = 2) -> list[Sequence]:
     rows = read_index(data_dir)
     if not rows:
         return []
-    toks = np.fromfile(data_dir / "tokens.bin", dtype=np.uint16)
+    toks = read_tokens(data_dir)
     out = []
     for r in rows:
         end = r["offset"] + r["total_len"]
@@ -88,7 +132,8 @@ def data_summary(data_dir) -> dict:
 
 # ------------------------------------------------------------------ writing
 class ShardWriter:
-    """Append-only tokens.bin + index.jsonl with crash-safe resume."""
+    """Append-only tokens.bin + index.jsonl with crash-safe resume; `close()` packs the directory
+    (module docstring). Also a context manager that closes on exit, exceptions included."""
 
     def __init__(self, data_dir):
         self.dir = Path(data_dir)
@@ -96,7 +141,9 @@ class ShardWriter:
         rows = read_index(self.dir)
         self.done = {(r["prompt_id"], r["mode"], r.get("rep", 0)) for r in rows}
         end = max((r["offset"] + r["total_len"] for r in rows), default=0)
-        bin_path = self.dir / "tokens.bin"
+        bin_path = self.dir / TOKENS
+        if not bin_path.is_file():  # unpack: appends go to the plain file
+            bin_path.write_bytes(read_tokens(self.dir)[:end].tobytes())
         with open(bin_path, "ab") as f:
             f.truncate(end * 2)  # drop tokens of a sequence whose index row never got written
         self.offset = end
@@ -118,6 +165,15 @@ class ShardWriter:
             f.write(json.dumps(row) + "\n")
         self.offset += int(arr.size)
         self.done.add((prompt_id, mode, rep))
+
+    def close(self) -> None:
+        pack_data_dir(self.dir)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 # ------------------------------------------------------------------ generation
@@ -208,67 +264,70 @@ def generate_dataset(ov_model_dir, hf_model_dir, prompts_dir, out_dir, *, max_ne
     import openvino_genai as og
 
     tok, eos, writer, work = _open_work(hf_model_dir, prompts_dir, out_dir, split, sample_reps)
-    log(f"{len(work)} generations to do ({len(writer.done)} already stored)")
+    try:
+        log(f"{len(work)} generations to do ({len(writer.done)} already stored)")
 
-    sc = og.SchedulerConfig()
-    sc.enable_prefix_caching = True  # all prompts share the system prompt
-    sc.max_num_batched_tokens = 2048
-    sc.cache_size = 2
-    sc.max_num_seqs = batch
-    pipe = og.ContinuousBatchingPipeline(str(ov_model_dir), sc, "CPU",
-                                         {"INFERENCE_PRECISION_HINT": "f32"})
-    meta_path = Path(out_dir) / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"runs": []}
-    meta.update(generator="openvino_genai.ContinuousBatchingPipeline", ov_model=str(ov_model_dir),
-                weights="int8_asym per-channel", inference_precision="f32", max_new_tokens=max_new_tokens,
-                sample={"temperature": 0.7, "top_p": 0.95})
-    run = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "response_tokens": 0, "seconds": 0.0}
-    meta["runs"].append(run)
-    t0 = time.time()
-    # Streaming continuous batching: keep `batch` requests in flight and refill as each one finishes,
-    # so the step batch never drains down to a few long stragglers; every finished sequence is
-    # written at once (a kill loses only the in-flight ones).
-    pending = list(reversed(work))
-    live: dict[int, tuple] = {}
-    next_id = 0
-    tokens_since, t_last = 0, time.time()
-    done_count = 0
-    while pending or live:
-        while pending and len(live) < batch and (deadline is None or time.time() < deadline):
-            p, mode, rep = pending.pop()
-            pid = chat_prompt_ids(tok, p["turns"], p.get("replies", ()))[-max_prompt_tokens:]
-            handle = pipe.add_request(next_id, ov.Tensor(np.array([pid], dtype=np.int64)),
-                                      _gen_config(mode, rep, p["id"], max_new_tokens, eos))
-            live[next_id] = (handle, p, mode, rep, pid, [])
-            next_id += 1
-        if not live:
-            break
-        pipe.step()
-        for rid in list(live):
-            handle, p, mode, rep, pid, out = live[rid]
-            if handle.can_read():
-                for o in handle.read().values():
-                    out.extend(o.generated_ids)
-            if handle.get_status() != og.GenerationStatus.RUNNING and not handle.can_read():
-                finished = bool(out) and out[-1] == eos
-                writer.append(pid + out, len(pid), p["domain"], mode, p["id"], rep, finished)
-                tokens_since += len(out)
-                run["response_tokens"] += len(out)
-                done_count += 1
-                del live[rid]
-                if done_count % 32 == 0:
-                    now = time.time()
-                    run["seconds"] = round(now - t0, 1)
-                    meta_path.write_text(json.dumps(meta, indent=1))
-                    log(f"[{done_count}/{len(work)}] {tokens_since / (now - t_last):.0f} tok/s recent; run total "
-                        f"{run['response_tokens']} tokens, {run['response_tokens'] / (now - t0):.0f} tok/s")
-                    tokens_since, t_last = 0, now
-        if deadline is not None and time.time() > deadline and not pending and not live:
-            break
-        if deadline is not None and time.time() > deadline:
-            pending.clear()  # finish what is in flight, start nothing new
-    run["seconds"] = round(time.time() - t0, 1)
-    meta_path.write_text(json.dumps(meta, indent=1))
+        sc = og.SchedulerConfig()
+        sc.enable_prefix_caching = True  # all prompts share the system prompt
+        sc.max_num_batched_tokens = 2048
+        sc.cache_size = 2
+        sc.max_num_seqs = batch
+        pipe = og.ContinuousBatchingPipeline(str(ov_model_dir), sc, "CPU",
+                                             {"INFERENCE_PRECISION_HINT": "f32"})
+        meta_path = Path(out_dir) / "meta.json"
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"runs": []}
+        meta.update(generator="openvino_genai.ContinuousBatchingPipeline", ov_model=str(ov_model_dir),
+                    weights="int8_asym per-channel", inference_precision="f32", max_new_tokens=max_new_tokens,
+                    sample={"temperature": 0.7, "top_p": 0.95})
+        run = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "response_tokens": 0, "seconds": 0.0}
+        meta["runs"].append(run)
+        t0 = time.time()
+        # Streaming continuous batching: keep `batch` requests in flight and refill as each one finishes,
+        # so the step batch never drains down to a few long stragglers; every finished sequence is
+        # written at once (a kill loses only the in-flight ones).
+        pending = list(reversed(work))
+        live: dict[int, tuple] = {}
+        next_id = 0
+        tokens_since, t_last = 0, time.time()
+        done_count = 0
+        while pending or live:
+            while pending and len(live) < batch and (deadline is None or time.time() < deadline):
+                p, mode, rep = pending.pop()
+                pid = chat_prompt_ids(tok, p["turns"], p.get("replies", ()))[-max_prompt_tokens:]
+                handle = pipe.add_request(next_id, ov.Tensor(np.array([pid], dtype=np.int64)),
+                                          _gen_config(mode, rep, p["id"], max_new_tokens, eos))
+                live[next_id] = (handle, p, mode, rep, pid, [])
+                next_id += 1
+            if not live:
+                break
+            pipe.step()
+            for rid in list(live):
+                handle, p, mode, rep, pid, out = live[rid]
+                if handle.can_read():
+                    for o in handle.read().values():
+                        out.extend(o.generated_ids)
+                if handle.get_status() != og.GenerationStatus.RUNNING and not handle.can_read():
+                    finished = bool(out) and out[-1] == eos
+                    writer.append(pid + out, len(pid), p["domain"], mode, p["id"], rep, finished)
+                    tokens_since += len(out)
+                    run["response_tokens"] += len(out)
+                    done_count += 1
+                    del live[rid]
+                    if done_count % 32 == 0:
+                        now = time.time()
+                        run["seconds"] = round(now - t0, 1)
+                        meta_path.write_text(json.dumps(meta, indent=1))
+                        log(f"[{done_count}/{len(work)}] {tokens_since / (now - t_last):.0f} tok/s recent; run total "
+                            f"{run['response_tokens']} tokens, {run['response_tokens'] / (now - t0):.0f} tok/s")
+                        tokens_since, t_last = 0, now
+            if deadline is not None and time.time() > deadline and not pending and not live:
+                break
+            if deadline is not None and time.time() > deadline:
+                pending.clear()  # finish what is in flight, start nothing new
+        run["seconds"] = round(time.time() - t0, 1)
+        meta_path.write_text(json.dumps(meta, indent=1))
+    finally:
+        writer.close()  # pack: plain files out, .xz in (module docstring)
     return data_summary(out_dir)
 
 
@@ -287,46 +346,49 @@ def generate_dataset_torch(hf_model_dir, prompts_dir, out_dir, *, max_new_tokens
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     tok, eos, writer, work = _open_work(hf_model_dir, prompts_dir, out_dir, split, sample_reps)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
-    model = AutoModelForCausalLM.from_pretrained(str(hf_model_dir), dtype=torch.float32).to(dev).eval()
-    log(f"{len(work)} generations to do ({len(writer.done)} already stored), device {dev}")
-    meta_path = Path(out_dir) / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"runs": []}
-    meta.update(generator=f"transformers.generate ({dev.type})", hf_model=str(hf_model_dir), dtype="float32",
-                max_new_tokens=max_new_tokens, sample={"temperature": 0.7, "top_p": 0.95})
-    run = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "response_tokens": 0, "seconds": 0.0}
-    meta["runs"].append(run)
-    t0 = time.time()
-    i = 0
-    while i < len(work) and (deadline is None or time.time() < deadline):
-        mode, rep = work[i][1], work[i][2]
-        # one generation config per batch: the contiguous run of this (mode, rep), at most `batch`
-        group = list(itertools.takewhile(lambda w: w[1:] == (mode, rep), work[i:i + batch]))
-        i += len(group)
-        ids = [chat_prompt_ids(tok, p["turns"], p.get("replies", ()))[-max_prompt_tokens:] for p, _, _ in group]
-        width = max(map(len, ids))
-        input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
-        attn = torch.zeros((len(ids), width), dtype=torch.long)
-        for r, x in enumerate(ids):  # left padding
-            input_ids[r, width - len(x):] = torch.tensor(x)
-            attn[r, width - len(x):] = 1
-        kw = dict(do_sample=False)
-        if mode == "sample":
-            torch.manual_seed(rep * 1_000_003 + i)
-            kw = dict(do_sample=True, temperature=0.7, top_p=0.95, top_k=0)
-        with torch.no_grad():
-            out = model.generate(input_ids=input_ids.to(dev), attention_mask=attn.to(dev),
-                                 max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, **kw)
-        new = out[:, width:].cpu().numpy()
-        for (p, _, _), x, row in zip(group, ids, new):
-            stop = np.flatnonzero(row == eos)
-            resp = row[: stop[0] + 1] if stop.size else row
-            writer.append(list(x) + resp.tolist(), len(x), p["domain"], mode, p["id"], rep, bool(stop.size))
-            run["response_tokens"] += int(resp.size)
-        run["seconds"] = round(time.time() - t0, 1)
-        meta_path.write_text(json.dumps(meta, indent=1))
-        log(f"[{i}/{len(work)}] run total {run['response_tokens']} tokens, "
-            f"{run['response_tokens'] / max(time.time() - t0, 1e-9):.0f} tok/s")
+    try:
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+        model = AutoModelForCausalLM.from_pretrained(str(hf_model_dir), dtype=torch.float32).to(dev).eval()
+        log(f"{len(work)} generations to do ({len(writer.done)} already stored), device {dev}")
+        meta_path = Path(out_dir) / "meta.json"
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"runs": []}
+        meta.update(generator=f"transformers.generate ({dev.type})", hf_model=str(hf_model_dir), dtype="float32",
+                    max_new_tokens=max_new_tokens, sample={"temperature": 0.7, "top_p": 0.95})
+        run = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "response_tokens": 0, "seconds": 0.0}
+        meta["runs"].append(run)
+        t0 = time.time()
+        i = 0
+        while i < len(work) and (deadline is None or time.time() < deadline):
+            mode, rep = work[i][1], work[i][2]
+            # one generation config per batch: the contiguous run of this (mode, rep), at most `batch`
+            group = list(itertools.takewhile(lambda w: w[1:] == (mode, rep), work[i:i + batch]))
+            i += len(group)
+            ids = [chat_prompt_ids(tok, p["turns"], p.get("replies", ()))[-max_prompt_tokens:] for p, _, _ in group]
+            width = max(map(len, ids))
+            input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
+            attn = torch.zeros((len(ids), width), dtype=torch.long)
+            for r, x in enumerate(ids):  # left padding
+                input_ids[r, width - len(x):] = torch.tensor(x)
+                attn[r, width - len(x):] = 1
+            kw = dict(do_sample=False)
+            if mode == "sample":
+                torch.manual_seed(rep * 1_000_003 + i)
+                kw = dict(do_sample=True, temperature=0.7, top_p=0.95, top_k=0)
+            with torch.no_grad():
+                out = model.generate(input_ids=input_ids.to(dev), attention_mask=attn.to(dev),
+                                     max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, **kw)
+            new = out[:, width:].cpu().numpy()
+            for (p, _, _), x, row in zip(group, ids, new):
+                stop = np.flatnonzero(row == eos)
+                resp = row[: stop[0] + 1] if stop.size else row
+                writer.append(list(x) + resp.tolist(), len(x), p["domain"], mode, p["id"], rep, bool(stop.size))
+                run["response_tokens"] += int(resp.size)
+            run["seconds"] = round(time.time() - t0, 1)
+            meta_path.write_text(json.dumps(meta, indent=1))
+            log(f"[{i}/{len(work)}] run total {run['response_tokens']} tokens, "
+                f"{run['response_tokens'] / max(time.time() - t0, 1e-9):.0f} tok/s")
+    finally:
+        writer.close()  # pack: plain files out, .xz in (module docstring)
     return data_summary(out_dir)
 
 

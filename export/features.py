@@ -54,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import read_index
+from .data import read_index, read_tokens
 
 FEATS, PREDS, INDEX, META = "feats.f16", "preds.u16", "index.jsonl", "meta.json"
 TOPK_IDS, TOPK_LOGP = "topk_ids.u16", "topk_logp.f16"
@@ -259,7 +259,7 @@ class _FeatureDir:
             for r in done:
                 f.write(json.dumps(r) + "\n")
         have = {r["offset"] for r in done}
-        self.tokens = np.fromfile(data_dir / "tokens.bin", dtype=np.uint16)
+        self.tokens = read_tokens(data_dir)
         self.todo = [r for r in rows if r["offset"] not in have and r["offset"] + r["total_len"] <= self.tokens.size]
         self.already = len(have)
         self.new_tokens = 0
@@ -361,7 +361,7 @@ def fill_topk(model_dir, data_dir, out_dir, config: dict | None = None, deadline
     check_precision(out_dir, ff.meta, settings)
     compiled = _compile_target(model_dir, settings, manifest, ff.topk)
     scorer = PrefixScorer(compiled, ff.width, int(ff.meta["max_len"]), share=False)
-    tokens = np.fromfile(data_dir / "tokens.bin", dtype=np.uint16)
+    tokens = read_tokens(data_dir)
     n = ff.feats.shape[0]
     top_ids = np.memmap(out_dir / TOPK_IDS, dtype=np.uint16, mode="r+", shape=(n, ff.topk))
     top_logp = np.memmap(out_dir / TOPK_LOGP, dtype=np.float16, mode="r+", shape=(n, ff.topk))

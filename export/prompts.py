@@ -3,6 +3,7 @@
 Contract: `build_prompt_pool(out_dir, cache_dir)` writes, per domain d in (code, math, chat),
 `train_<d>.jsonl` and `eval_<d>.jsonl`, one prompt per line:
 `{"id": str, "domain": d, "source": str, "turns": [user message, ...]}` (z-lab's `turns` shape).
+Train files are stored xz-packed (`train_<d>.jsonl.xz`); `load_prompts` reads either form.
 Eval prompts never enter training: they are chosen first (fixed seed) and removed from the pool,
 and the hand-written math eval problems are not instances of any training template.
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import lzma
 import random
 import re
 import subprocess
@@ -523,7 +525,7 @@ def build_prompt_pool(out_dir, cache_dir=None) -> dict:
         # MT-Bench math goes to the math eval too? No: only to training; the eval is hand-written.
         for name, rows in ((f"train_{d}.jsonl", train), (f"eval_{d}.jsonl", evals[d][:EVAL_PER_DOMAIN])):
             counts[name] = write_prompts(out_dir / name, [{k: r[k] for k in ("id", "domain", "source", "turns")}
-                                                         for r in rows])
+                                                         for r in rows], pack=name.startswith("train_"))
     return counts
 
 
@@ -590,7 +592,7 @@ def build_followup_pool(data_dir, prompts_dir, hf_model_dir, out_dir, max_reply_
     for pool in avoid_pools:
         for d in DOMAINS:
             path = Path(pool) / f"train_{d}.jsonl"
-            for r in load_prompts(path) if path.exists() else []:
+            for r in load_prompts(path) if prompt_file(path) else []:
                 asked_before.setdefault(_conversation_key(r["turns"][:-1], r["replies"]), set()).add(r["turns"][-1])
     rng = random.Random(seed)
     rows = {d: [] for d in DOMAINS}
@@ -624,20 +626,36 @@ def write_train_pool(out_dir, rows: dict[str, list[dict]], rng: random.Random) -
     counts = {}
     for d in DOMAINS:
         rng.shuffle(rows[d])
-        counts[f"train_{d}.jsonl"] = write_prompts(Path(out_dir) / f"train_{d}.jsonl", rows[d])
+        counts[f"train_{d}.jsonl"] = write_prompts(Path(out_dir) / f"train_{d}.jsonl", rows[d], pack=True)
     return counts
 
 
-def write_prompts(path, rows: list[dict]) -> int:
-    """One JSON object a line (the shape load_prompts reads); returns the row count."""
-    with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+def write_prompts(path, rows: list[dict], pack: bool = False) -> int:
+    """One JSON object a line (the shape load_prompts reads); returns the row count. pack=True
+    writes `path` + ".xz" instead (how the train pools are kept: follow-up pools carry whole
+    replies, and xz shrinks them ~9x), and either way the other form of `path` is removed."""
+    path = Path(path)
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    written, other = (Path(str(path) + ".xz"), path) if pack else (path, Path(str(path) + ".xz"))
+    with (lzma.open(written, "wt", encoding="utf-8") if pack else open(written, "w", encoding="utf-8")) as f:
+        f.write(text)
+    other.unlink(missing_ok=True)
     return len(rows)
 
 
+def prompt_file(path) -> Path | None:
+    """`path`, or its packed form `path`.xz, whichever exists (None if neither)."""
+    for candidate in (Path(path), Path(str(path) + ".xz")):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
 def load_prompts(path) -> list[dict]:
-    with open(path) as f:
+    found = prompt_file(path)
+    if found is None:
+        raise FileNotFoundError(f"no prompt file {path} (nor {Path(path).name}.xz)")
+    with (lzma.open(found, "rt", encoding="utf-8") if found.suffix == ".xz" else open(found, encoding="utf-8")) as f:
         return [json.loads(l) for l in f if l.strip()]
 
 

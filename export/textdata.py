@@ -67,39 +67,42 @@ def build_text_dataset(tokenizer_dir, out_dir, code_tokens: int = 800_000, prose
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     end = tok.convert_tokens_to_ids("<|im_end|>")
     writer = ShardWriter(out_dir)
-    rng = random.Random(seed)
-    files = stdlib_files(stdlib_root)
-    rng.shuffle(files)
-    budget = {"code": code_tokens, "chat": prose_tokens}
-    made = {"code": 0, "chat": 0}
-    for r in read_index(out_dir):  # count what a resumed run already holds
-        made[r["domain"]] += r["total_len"] - r["prompt_len"]
-    for path in files:
-        if all(made[d] >= budget[d] for d in budget):
-            break
-        try:
-            source = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        name = path.stem if path.stem != "__init__" else path.parent.name
-        items = []
-        if made["code"] < budget["code"]:
-            body = tok(source, add_special_tokens=False)["input_ids"]
-            for j, chunk in enumerate(_chunks(body, chunk_tokens)[:6]):  # at most 6 chunks per file
-                items.append(("code", f"{name}:{j}", rng.choice(CODE_ASKS).format(name=name),
-                              tok("```python\n", add_special_tokens=False)["input_ids"] + chunk))
-        if made["chat"] < budget["chat"]:
-            for j, (qual, doc) in enumerate(docstrings(source)[:8]):
-                body = tok(doc, add_special_tokens=False)["input_ids"][:chunk_tokens]
-                items.append(("chat", f"{name}.{qual}:{j}", rng.choice(PROSE_ASKS).format(name=f"{name}.{qual}"),
-                              body + [end]))
-        for domain, pid, ask, answer in items:
-            if made[domain] >= budget[domain] or (f"stdlib:{pid}", "text", 0) in writer.done:
+    try:
+        rng = random.Random(seed)
+        files = stdlib_files(stdlib_root)
+        rng.shuffle(files)
+        budget = {"code": code_tokens, "chat": prose_tokens}
+        made = {"code": 0, "chat": 0}
+        for r in read_index(out_dir):  # count what a resumed run already holds
+            made[r["domain"]] += r["total_len"] - r["prompt_len"]
+        for path in files:
+            if all(made[d] >= budget[d] for d in budget):
+                break
+            try:
+                source = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
                 continue
-            prompt = chat_prompt_ids(tok, [ask])
-            writer.append(prompt + answer, len(prompt), domain, "text", f"stdlib:{pid}", 0,
-                          finished=answer[-1] == end)
-            made[domain] += len(answer)
+            name = path.stem if path.stem != "__init__" else path.parent.name
+            items = []
+            if made["code"] < budget["code"]:
+                body = tok(source, add_special_tokens=False)["input_ids"]
+                for j, chunk in enumerate(_chunks(body, chunk_tokens)[:6]):  # at most 6 chunks per file
+                    items.append(("code", f"{name}:{j}", rng.choice(CODE_ASKS).format(name=name),
+                                  tok("```python\n", add_special_tokens=False)["input_ids"] + chunk))
+            if made["chat"] < budget["chat"]:
+                for j, (qual, doc) in enumerate(docstrings(source)[:8]):
+                    body = tok(doc, add_special_tokens=False)["input_ids"][:chunk_tokens]
+                    items.append(("chat", f"{name}.{qual}:{j}", rng.choice(PROSE_ASKS).format(name=f"{name}.{qual}"),
+                                  body + [end]))
+            for domain, pid, ask, answer in items:
+                if made[domain] >= budget[domain] or (f"stdlib:{pid}", "text", 0) in writer.done:
+                    continue
+                prompt = chat_prompt_ids(tok, [ask])
+                writer.append(prompt + answer, len(prompt), domain, "text", f"stdlib:{pid}", 0,
+                              finished=answer[-1] == end)
+                made[domain] += len(answer)
+    finally:
+        writer.close()  # pack (ovdflash_export.data docstring)
     summary = data_summary(out_dir)
     (Path(out_dir) / "meta.json").write_text(json.dumps({
         "generator": "ovdflash_export.textdata", "source": f"Python {sys.version.split()[0]} standard library",

@@ -1,12 +1,19 @@
-"""Training-data storage (crash-safe resume) and the shipped prompt pool's train/eval split."""
+"""Training-data storage (crash-safe resume, packed at rest), the shipped prompt pool's
+train/eval split, and the repository staying small enough to travel to a lent GPU machine."""
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from ovdflash_export.data import ShardWriter, _work_list, data_summary, load_sequences
+from ovdflash_export.data import (ShardWriter, _work_list, data_summary, load_sequences, pack_data_dir, read_index,
+                                  read_tokens)
+from ovdflash_export.prompts import load_prompts, write_prompts
 
-PROMPTS = Path(__file__).resolve().parents[1] / "models" / "prompts"
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ROOT / "models" / "prompts"
 
 
 def test_shard_writer_round_trip_and_resume_after_torn_write(tmp_path):
@@ -29,6 +36,78 @@ def test_shard_writer_round_trip_and_resume_after_torn_write(tmp_path):
     assert summary["sequences"] == 3 and summary["response_tokens"] == 3 + 3 + 2
 
 
+def test_a_closed_writer_leaves_only_packed_files_that_read_and_resume_the_same(tmp_path):
+    with ShardWriter(tmp_path) as w:
+        w.append([5, 6, 7, 8, 9], 2, "code", "greedy", "a", 0, True)
+        w.append([1, 2, 3, 60000], 1, "chat", "sample", "b", 1, False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.jsonl.xz", "tokens.bin.xz"]
+    assert read_tokens(tmp_path).tolist() == [5, 6, 7, 8, 9, 1, 2, 3, 60000]
+    assert [s.prompt_id for s in load_sequences(tmp_path)] == ["a", "b"]
+    w2 = ShardWriter(tmp_path)   # unpacks, then appends to the plain files
+    assert w2.done == {("a", "greedy", 0), ("b", "sample", 1)}
+    w2.append([4, 4, 4], 1, "math", "greedy", "c", 0, True)
+    # killed before close: the plain files extend the packed ones, and readers take them
+    assert (tmp_path / "tokens.bin").is_file()
+    assert [s.tokens.tolist() for s in load_sequences(tmp_path)][-1] == [4, 4, 4]
+    w3 = ShardWriter(tmp_path)
+    w3.append([7, 7, 7], 1, "code", "greedy", "d", 0, True)
+    w3.close()
+    assert not (tmp_path / "tokens.bin").exists() and not (tmp_path / "index.jsonl").exists()
+    assert [s.prompt_id for s in load_sequences(tmp_path)] == ["a", "b", "c", "d"]
+    assert data_summary(tmp_path)["response_tokens"] == 3 + 3 + 2 + 2
+
+
+def test_packing_drops_orphan_tokens_and_refuses_copies_that_disagree(tmp_path):
+    w = ShardWriter(tmp_path)
+    w.append([1, 2, 3], 1, "code", "greedy", "a", 0, True)
+    with open(tmp_path / "tokens.bin", "ab") as f:   # a sequence whose index row never got written
+        f.write(np.array([9, 9], dtype=np.uint16).tobytes())
+    pack_data_dir(tmp_path)
+    assert read_tokens(tmp_path).tolist() == [1, 2, 3]
+    (tmp_path / "index.jsonl").write_text(json.dumps({"offset": 0, "prompt_len": 1, "total_len": 2}) + "\n")
+    with pytest.raises(ValueError, match="disagree"):
+        read_index(tmp_path)
+
+
+def test_prompt_files_read_the_same_plain_or_packed(tmp_path):
+    rows = [{"id": "x", "domain": "chat", "source": "s", "turns": ["héllo"]}]
+    write_prompts(tmp_path / "train_chat.jsonl", rows)
+    assert load_prompts(tmp_path / "train_chat.jsonl") == rows
+    write_prompts(tmp_path / "train_chat.jsonl", rows + rows, pack=True)   # replaces the plain file
+    assert [p.name for p in tmp_path.iterdir()] == ["train_chat.jsonl.xz"]
+    assert load_prompts(tmp_path / "train_chat.jsonl") == rows + rows
+    with pytest.raises(FileNotFoundError, match="train_code.jsonl"):
+        load_prompts(tmp_path / "train_code.jsonl")
+
+
+def _tracked_files() -> list[Path]:
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+        return [ROOT / p for p in out.decode().split("\0") if p]
+    except (OSError, subprocess.CalledProcessError):   # not a git checkout: every file but the usual ignores
+        skip = {".git", ".venv", "__pycache__", ".pytest_cache"}
+        return [Path(d) / f for d, dirs, files in os.walk(ROOT) if not dirs.__setitem__(
+            slice(None), [x for x in dirs if x not in skip and not x.endswith(".egg-info")]) for f in files]
+
+
+def test_the_repository_leaves_room_in_a_gpu_machine_call():
+    # A lent GPU machine receives the working tree and carried files, 64 MiB in all: the target's
+    # weights (a 98 MB GGUF) must travel in pieces beside the tree, so the tree stays far below.
+    files = [p for p in _tracked_files() if p.is_file()]
+    total = sum(p.stat().st_size for p in files)
+    assert total < 40 * 2**20, f"tracked files hold {total / 2**20:.1f} MiB"
+    plain = [p for p in files if p.name in ("tokens.bin", "index.jsonl") and "models" in p.parts]
+    assert not plain, f"data directories must be committed packed: {plain[:3]}"
+
+
+def test_the_shipped_data_directories_read_whole():
+    dirs = sorted(p for p in (ROOT / "models" / "smollm2").iterdir() if (p / "meta.json").is_file())
+    assert len(dirs) >= 9
+    for d in dirs:
+        rows, tokens = read_index(d), read_tokens(d)
+        assert rows and max(r["offset"] + r["total_len"] for r in rows) == tokens.size, d
+
+
 def test_work_list_skips_done_and_interleaves_domains():
     prompts = [{"id": f"{d}{i}", "domain": d} for d in ("code", "math", "chat") for i in range(2)]
     work = _work_list(prompts, [("greedy", 0), ("sample", 1)], {("code0", "greedy", 0)})
@@ -38,7 +117,7 @@ def test_work_list_skips_done_and_interleaves_domains():
 
 
 def _rows(name):
-    return [json.loads(l) for l in open(PROMPTS / name)]
+    return load_prompts(PROMPTS / name)
 
 
 def test_eval_prompts_never_enter_training():
@@ -75,7 +154,7 @@ def test_torch_generator_matches_unbatched_greedy_and_resumes(tmp_path):
     tok = AutoTokenizer.from_pretrained(str(target))
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    rows = {json.loads(l)["offset"]: json.loads(l) for l in open(out / "index.jsonl")}
+    rows = {r["offset"]: r for r in read_index(out)}
     for s in seqs:
         if s.mode != "greedy":
             continue
@@ -90,10 +169,10 @@ def test_torch_generator_matches_unbatched_greedy_and_resumes(tmp_path):
             want = want[: want.index(eos) + 1]
         assert s.tokens[s.prompt_len:].tolist() == want, s.prompt_id
         assert rows[s.offset]["finished"] == (want[-1] == eos)
-    n_before = (out / "tokens.bin").stat().st_size
+    n_before = read_tokens(out).size
     generate_dataset_torch(target, prompts, out, max_new_tokens=10, batch=5, sample_reps=1, device="cpu",
                            log=lambda s: None)
-    assert (out / "tokens.bin").stat().st_size == n_before
+    assert read_tokens(out).size == n_before
 
 
 def _tiny_tokenizer(tmp_path):
@@ -207,7 +286,7 @@ def test_shipped_followup_pools_hold_no_eval_prompt():
     for name, turns in (("prompts_followup", 2), ("prompts_followup2b", 2), ("prompts_followup3", 3),
                         ("prompts_followup4", 4), ("prompts_followup3b", 3)):
         for d in ("code", "math", "chat"):
-            rows = [json.loads(l) for l in open(PROMPTS.parent / name / f"train_{d}.jsonl")]
+            rows = load_prompts(PROMPTS.parent / name / f"train_{d}.jsonl")
             train_firsts = {r["turns"][0] for r in _rows(f"train_{d}.jsonl")}
             assert len(rows) >= 200
             assert {r["turns"][0] for r in rows} <= train_firsts
@@ -251,7 +330,7 @@ def test_wide_pool_avoids_eval_prompts_and_rebuilds_identically(tmp_path):
     counts = build_wide_pool(tmp_path / "a", evals, seed=7, stdlib_dir=tmp_path / "lib")
     build_wide_pool(tmp_path / "b", evals, seed=7, stdlib_dir=tmp_path / "lib")
     for d in DOMAINS:
-        assert (tmp_path / "a" / f"train_{d}.jsonl").read_text() == (tmp_path / "b" / f"train_{d}.jsonl").read_text()
+        assert load_prompts(tmp_path / "a" / f"train_{d}.jsonl") == load_prompts(tmp_path / "b" / f"train_{d}.jsonl")
     chat = load_prompts(tmp_path / "a" / "train_chat.jsonl")
     assert first not in {r["turns"][0] for r in chat} and len(chat) == counts["train_chat.jsonl"] > 400
     assert len({r["id"] for r in chat}) == len(chat)
@@ -260,7 +339,7 @@ def test_wide_pool_avoids_eval_prompts_and_rebuilds_identically(tmp_path):
 
 def test_shipped_wide_pool_holds_no_eval_prompt():
     for d in ("code", "chat"):
-        rows = [json.loads(l) for l in open(PROMPTS.parent / "prompts_wide" / f"train_{d}.jsonl")]
+        rows = load_prompts(PROMPTS.parent / "prompts_wide" / f"train_{d}.jsonl")
         assert len(rows) >= 500 and len({r["id"] for r in rows}) == len(rows)
         assert not {r["turns"][0] for r in rows} & {r["turns"][0] for r in _rows(f"eval_{d}.jsonl")}
         assert not {r["turns"][0] for r in rows} & {r["turns"][0] for r in _rows(f"train_{d}.jsonl")}
@@ -269,8 +348,8 @@ def test_shipped_wide_pool_holds_no_eval_prompt():
 def test_shipped_wide_followup_pool_asks_second_turns_of_wide_prompts_only():
     for d in ("code", "chat"):
         wide = PROMPTS.parent / "prompts_wide" / f"train_{d}.jsonl"
-        firsts = {json.loads(line)["turns"][0] for line in open(wide)}
-        rows = [json.loads(l) for l in open(PROMPTS.parent / "prompts_wide_followup" / f"train_{d}.jsonl")]
+        firsts = {r["turns"][0] for r in load_prompts(wide)}
+        rows = load_prompts(PROMPTS.parent / "prompts_wide_followup" / f"train_{d}.jsonl")
         assert len(rows) >= 200 and len({r["id"] for r in rows}) == len(rows)
         assert {r["turns"][0] for r in rows} <= firsts
         assert not {r["turns"][0] for r in rows} & {r["turns"][0] for r in _rows(f"eval_{d}.jsonl")}

