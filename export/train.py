@@ -139,6 +139,9 @@ class TrainConfig:
     # mixed precision for the drafter's training forward/backward ("bf16": torch.autocast; weights,
     # optimizer and evaluation stay f32). Measured only on an AMX CPU: ~1.3x a step (TRAINING.md, run 11)
     autocast: str | None = None
+    # sequences per torch-target forward for features not precomputed (0: 32 on CUDA, 1 on a CPU,
+    # where padding costs what batching saves)
+    target_batch: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -200,6 +203,36 @@ class FrozenTarget:
             return feats, pred
         return feats, pred, (torch.cat(top_ids).cpu(), torch.cat(top_logp).cpu())
 
+    @torch.no_grad()
+    def features_batch(self, seqs: list[torch.Tensor], topk: int = 0) -> list[tuple]:
+        """`features` of several sequences in one right-padded forward (a GPU runs one sequence
+        at a time far below its capacity). Causal attention never lets a real position see the
+        padding after it, so each result equals `features` up to float rounding."""
+        lengths = [int(t.numel()) for t in seqs]
+        ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, t in enumerate(seqs):
+            ids[r, : lengths[r]], mask[r, : lengths[r]] = t, 1
+        if topk and not self.predictions:
+            raise ValueError("top-k soft labels need the whole target: FrozenTarget(predictions=True)")
+        self._captured.clear()
+        out = self.base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
+        layers = [self._captured[i] for i in self.layer_ids]
+        results = []
+        for r, L in enumerate(lengths):
+            feats = torch.cat([h[r, :L] for h in layers], dim=-1).float()
+            if not self.predictions:
+                results.append((feats, None))
+                continue
+            logits = (out.last_hidden_state[r, :L] @ self.lm_head_weight.T).float()
+            pred = logits.argmax(-1).cpu()
+            if not topk:
+                results.append((feats, pred))
+                continue
+            top = torch.log_softmax(logits, -1).topk(topk, dim=-1)
+            results.append((feats, pred, (top.indices.cpu(), top.values.cpu())))
+        return results
+
 
 class FeatureStore:
     """Per-sequence features, computed by the target once and kept (fp16) within a memory cap.
@@ -214,16 +247,31 @@ class FeatureStore:
         self.cache: dict[int, tuple] = {}
         self.last: tuple = (None, None)  # (idx, soft labels) of the latest forward, cached or not
         self.computed_tokens = 0
+        self.fetched: dict[int, tuple] = {}  # prefetch results not taken by `get` yet
+
+    def prefetch(self, items: list[tuple[int, torch.Tensor]], batch: int) -> None:
+        """Compute the features of the (idx, ids) not cached yet, `batch` sequences a forward
+        (FrozenTarget.features_batch); the next `get` of each takes them from here."""
+        todo = [(i, t) for i, t in items if i not in self.cache and i not in self.fetched]
+        for k in range(0, len(todo) if batch > 1 else 0, batch):
+            chunk = todo[k:k + batch]
+            for (i, t), res in zip(chunk, self.target.features_batch([t for _, t in chunk], self.topk)):
+                self.fetched[i] = (t.numel(), res)
 
     def get(self, idx: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         hit = self.cache.get(idx)
         if hit is not None:
             return hit[0].float(), hit[1]
+        fetched = self.fetched.pop(idx, None)
+        if fetched is not None and fetched[0] == ids.numel():
+            res = fetched[1]
+        else:
+            res = self.target.features(ids, self.topk) if self.topk else self.target.features(ids)
         if self.topk:
-            feats, pred, (top_ids, top_logp) = self.target.features(ids, self.topk)
+            feats, pred, (top_ids, top_logp) = res
             soft = (top_ids.to(torch.int32), top_logp.to(torch.float16))
         else:
-            (feats, pred), soft = self.target.features(ids), None
+            (feats, pred), soft = res, None
         self.computed_tokens += ids.numel()
         nbytes = feats.numel() * 2 + (0 if pred is None else pred.numel() * 4)
         nbytes += 0 if soft is None else soft[0].numel() * 6
@@ -273,6 +321,15 @@ class PrecomputedStore:
         s = self.seqs[idx] if idx < len(self.seqs) else None
         f = self.files.get(Path(s.data_dir).name) if s is not None and s.data_dir else None
         return (None, None) if f is None else (f, s.offset)
+
+    def prefetch(self, items: list[tuple[int, torch.Tensor]], batch: int) -> None:
+        """FeatureStore.prefetch for the sequences that have no precomputed features."""
+        missing = []
+        for i, t in items:
+            f, offset = self._file_for(i)
+            if f is None or f._rows_of(offset, t.numel()) is None:
+                missing.append((i, t))
+        self.fallback.prefetch(missing, batch)
 
     def get(self, idx: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         f, offset = self._file_for(idx)
@@ -348,16 +405,20 @@ def chain_labels(tokens: torch.Tensor, pred: torch.Tensor, anchors: torch.Tensor
 
 def build_batch(seqs: list[Sequence], idxs, store: FeatureStore, embed, rng: np.random.Generator, *,
                 block_size: int, n_anchors: int, max_len: int, mask_token_id: int, feat_scale, device,
-                soft: bool = False, short_blocks: float = 0.0, block_len: int | None = None):
+                soft: bool = False, short_blocks: float = 0.0, block_len: int | None = None,
+                target_batch: int = 1):
     """Tensors for one drafter forward over len(idxs) sequences with up to n_anchors blocks each.
     Labels are the stored tokens, or the target's greedy chain when the store has predictions.
     With `soft`, also the target's top-k at each labelled slot (`soft_ids` [b,N,B-1,K], -100 where
     none, and `soft_logp`), from a store that has them (PrecomputedStore.soft).
     Shorter blocks, as a runtime that verifies fewer than B-1 drafts runs them: with `block_len` L
     every block, with `short_blocks` f a fraction f of the blocks (L uniform in 2..B-1), holds only
-    its first L tokens: the other slots are hidden from it and unlabelled."""
+    its first L tokens: the other slots are hidden from it and unlabelled. With `target_batch` > 1
+    the target computes missing features that many sequences a forward (store.prefetch)."""
     B = block_size
     toks, feats, preds, anchors, softs = [], [], [], [], []
+    if target_batch > 1:
+        store.prefetch([(i, torch.from_numpy(seqs[i].tokens[:max_len])) for i in idxs], target_batch)
     for i in idxs:
         s = seqs[i]
         t = torch.from_numpy(s.tokens[:max_len])
@@ -684,6 +745,7 @@ def train(cfg: TrainConfig, log=print) -> Path:
     if cfg.ce_vocab_size and not cfg.vocab_subset:
         raise ValueError("ce_vocab_size needs vocab_subset: it chooses the subset's size")
     device = pick_device(cfg.device)
+    target_batch = cfg.target_batch or (32 if device.type == "cuda" else 1)
     mixed_precision(cfg.autocast, device)  # an unknown kind fails here, not after the data has loaded
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -904,7 +966,7 @@ def train(cfg: TrainConfig, log=print) -> Path:
         batch = build_batch(seqs, idxs, store, target.embed, rng, block_size=cfg.block_size,
                             n_anchors=cfg.anchors_per_seq, max_len=cfg.max_len, mask_token_id=cfg.mask_token_id,
                             feat_scale=feat_scale, device=device, soft=cfg.kd_weight > 0,
-                            short_blocks=cfg.short_blocks)
+                            short_blocks=cfg.short_blocks, target_batch=target_batch)
         ids = vocab_ids
         step_remap = remap
         if vocab_ids is not None and cfg.num_negatives and not cfg.ce_vocab_size and outside_ids.numel():

@@ -120,7 +120,11 @@ def test_chat_interactive_in_a_pty(tiny_pair, tmp_path):
     # human can hit, but a loaded test machine can).
     time.sleep(1.0)
     session.send("\x03")                   # Ctrl-C at the prompt keeps the session
-    session.expect(">>> ")
+    try:
+        session.expect(">>> ", timeout=15)
+    except AssertionError:                 # lost in that race anyway (CI hosts are busy): a second one
+        session.send("\x03")               # is seen, and is also a Ctrl-C at the prompt
+        session.expect(">>> ")
     session.send("And again?\n")
     session.expect("tok/s")
     session.expect(">>> ")

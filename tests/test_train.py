@@ -67,6 +67,33 @@ def test_features_are_hidden_states_of_the_layers(tiny_setup):
         assert torch.equal(pred2, full(ids[None]).logits[0].argmax(-1))
 
 
+def test_batched_target_features_equal_one_sequence_forwards(tiny_setup):
+    target, data, _ = tiny_setup
+    seqs = [torch.from_numpy(s.tokens) for s in load_sequences(data)[:5]]
+    assert len({t.numel() for t in seqs}) > 1   # padding is exercised
+    ft = FrozenTarget(target, [0, 2], "cpu", predictions=True)
+    for (feats, pred, (ids, logp)), t in zip(ft.features_batch(seqs, topk=6), seqs):
+        want_feats, want_pred, (want_ids, want_logp) = ft.features(t, topk=6)
+        torch.testing.assert_close(feats, want_feats, atol=1e-5, rtol=1e-5)
+        assert torch.equal(pred, want_pred) and torch.equal(ids, want_ids)
+        torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=1e-5)
+    no_preds = FrozenTarget(target, [0, 2], "cpu").features_batch(seqs[:2])
+    assert [p for _, p in no_preds] == [None, None]
+    torch.testing.assert_close(no_preds[1][0], ft.features(seqs[1])[0], atol=1e-5, rtol=1e-5)
+
+
+def test_training_with_batched_target_forwards_matches_one_at_a_time(tiny_setup):
+    target, data, root = tiny_setup
+    losses = {}
+    for tb in (1, 3):
+        out = root / f"tb{tb}"
+        train(_cfg(target, data, out, max_steps=12, relabel=True, kd_weight=0.5, kd_topk=4, target_batch=tb),
+              log=lambda s: None)
+        losses[tb] = _losses(out)
+    assert len(losses[1]) >= 1
+    np.testing.assert_allclose(losses[3], losses[1], rtol=1e-4)
+
+
 def test_chain_labels_against_brute_force():
     rng = np.random.default_rng(1)
     for trial in range(50):

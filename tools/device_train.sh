@@ -13,7 +13,8 @@
 #           parts it brings under $STAGE (default /root/ovd_stage: it outlives the call while the
 #           machine stays warm); once all are there, it checks them, converts the GGUF to an f32
 #           transformers checkpoint, trains for $MINUTES (default 7) with online target features
-#           (no OpenVINO feature pass) and writes the checkpoint and its log to $OUT.
+#           (no OpenVINO feature pass) and writes the checkpoint (f16) and its log to $OUT/drafter.
+#           A rerun in the same warm machine resumes the training ($STAGE/state).
 #
 # The recipe is run 14's (models/smollm2_dflash/TRAINING.md), warm-started from the shipped
 # drafter, on every data directory, with a GPU's batch; TRAIN_ARGS appends or overrides options
@@ -69,12 +70,17 @@ device() {
     done
     # shellcheck disable=SC2086
     "$PYTHON" -u -c "from ovdflash.cmd_train import train; train()" --target "$hf" "${data[@]}" \
-        --eval-data models/smollm2/data_eval --out "$out/drafter" --state-dir "$stage/state" \
+        --eval-data models/smollm2/data_eval --out "$stage/run" --state-dir "$stage/state" \
         --init-from models/smollm2_dflash --layers 1 --block-size 8 --target-layer-ids 1,8,14,20,27 \
         --mask-token-id 16 --anchors 48 --batch 32 --max-len 768 --lr 3e-4 --warmup 30 \
         --minutes "${MINUTES:-7}" --gamma 2 --kd-weight 0.5 --ce-vocab-size 3000 --short-blocks 0.5 \
         --val-every 300 --save-every 120 --seed 8 --device "${DEVICE:-cuda}" --autocast bf16 \
         --feature-cache-gb 48 ${TRAIN_ARGS:-} 2>&1 | tee "$out/train.out"
+    # files come back at most 16 MiB each: the checkpoint returns in f16 (10.4 MB; f32 is 20.8)
+    "$PYTHON" -c "import sys, torch; from ovdflash_export.drafter import DFlashDrafter
+DFlashDrafter.from_pretrained(sys.argv[1]).to(torch.float16).save_pretrained(sys.argv[2])" "$stage/run" "$out/drafter"
+    cp "$stage/run/draft_vocab.json" "$stage/run/train_log.jsonl" "$out/drafter/"
+    ls -l "$out/drafter"
 }
 
 case "${1:-}" in
