@@ -204,15 +204,18 @@ def _work_list(prompts: list[dict], passes: list[tuple[str, int]], done: set) ->
     return work
 
 
-def _open_work(hf_model_dir, prompts_dir, out_dir, split: str, sample_reps: int):
-    """(HF tokenizer, eos id, ShardWriter, work list still to do) for a generator run."""
+def _open_work(hf_model_dir, prompts_dir, out_dir, split: str, sample_reps: int, domains=DOMAINS):
+    """(HF tokenizer, eos id, ShardWriter, work list still to do) for a generator run over the
+    prompts of `domains`."""
     from transformers import AutoTokenizer
 
     from ovdflash_export.prompts import load_prompts
 
+    if not domains or set(domains) - set(DOMAINS):
+        raise ValueError(f"domains must be a non-empty subset of {DOMAINS}, got {list(domains)}")
     tok = AutoTokenizer.from_pretrained(str(hf_model_dir))
     prompts = []
-    for d in DOMAINS:
+    for d in domains:
         prompts += load_prompts(Path(prompts_dir) / f"{split}_{d}.jsonl")
     writer = ShardWriter(out_dir)
     passes = [("greedy", 0)] + [("sample", r) for r in range(1, sample_reps + 1)]
@@ -258,12 +261,12 @@ def _gen_config(mode: str, rep: int, prompt_id: str, max_new_tokens: int, eos: i
 
 def generate_dataset(ov_model_dir, hf_model_dir, prompts_dir, out_dir, *, max_new_tokens=320, batch=32,
                      sample_reps=3, max_prompt_tokens=768, deadline: float | None = None, split: str = "train",
-                     log=print) -> dict:
-    """Generate greedy then `sample_reps` sampled passes over the `split` prompts; resumable."""
+                     domains=DOMAINS, log=print) -> dict:
+    """Generate greedy then `sample_reps` sampled passes over the `split` prompts of `domains`; resumable."""
     import openvino as ov
     import openvino_genai as og
 
-    tok, eos, writer, work = _open_work(hf_model_dir, prompts_dir, out_dir, split, sample_reps)
+    tok, eos, writer, work = _open_work(hf_model_dir, prompts_dir, out_dir, split, sample_reps, domains)
     try:
         log(f"{len(work)} generations to do ({len(writer.done)} already stored)")
 
@@ -333,7 +336,7 @@ def generate_dataset(ov_model_dir, hf_model_dir, prompts_dir, out_dir, *, max_ne
 
 def generate_dataset_torch(hf_model_dir, prompts_dir, out_dir, *, max_new_tokens=320, batch=256, sample_reps=3,
                            max_prompt_tokens=768, deadline: float | None = None, split: str = "train",
-                           device: str = "auto", log=print) -> dict:
+                           device: str = "auto", domains=DOMAINS, log=print) -> dict:
     """The same dataset as `generate_dataset` (same work list, rows and resume), generated with
     transformers' batched `generate` in f32: the backend for a CUDA machine, where one static
     batch of a few hundred prompts keeps the GPU busy. Sampled passes seed torch per batch."""
@@ -345,7 +348,7 @@ def generate_dataset_torch(hf_model_dir, prompts_dir, out_dir, *, max_new_tokens
     if dev.type == "cuda":  # f32 maths, as the deployed target (bf16 hurts SmolLM2; tf32 would too)
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    tok, eos, writer, work = _open_work(hf_model_dir, prompts_dir, out_dir, split, sample_reps)
+    tok, eos, writer, work = _open_work(hf_model_dir, prompts_dir, out_dir, split, sample_reps, domains)
     try:
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos
         model = AutoModelForCausalLM.from_pretrained(str(hf_model_dir), dtype=torch.float32).to(dev).eval()
@@ -410,12 +413,17 @@ if __name__ == "__main__":
     ap.add_argument("--minutes", type=float, default=None, help="stop starting requests after this long")
     ap.add_argument("--split", default="train", choices=["train", "eval"],
                     help="which prompt files (eval: the held-out sets, for acceptance estimates only)")
+    ap.add_argument("--domains", default=",".join(DOMAINS),
+                    help="comma list: only these domains' prompts (e.g. chat, the domain the drafter drafts worst)")
     a = ap.parse_args()
+    domains = tuple(d.strip() for d in a.domains.split(",") if d.strip())
+    if not domains or set(domains) - set(DOMAINS):
+        ap.error(f"--domains: choose from {','.join(DOMAINS)}, got {a.domains!r}")
     deadline = time.time() + a.minutes * 60 if a.minutes else None
     if a.backend == "torch":
         print(json.dumps(generate_dataset_torch(a.hf_model, a.prompts, a.out, max_new_tokens=a.max_new_tokens,
                                                 batch=a.batch, sample_reps=a.sample_reps, deadline=deadline,
-                                                split=a.split, device=a.device,
+                                                split=a.split, device=a.device, domains=domains,
                                                 log=lambda s: print(s, flush=True)), indent=1))
         raise SystemExit(0)
     if not a.ov_model:
@@ -425,4 +433,4 @@ if __name__ == "__main__":
         export_generation_ir(a.hf_model, a.ov_model)
     print(json.dumps(generate_dataset(a.ov_model, a.hf_model, a.prompts, a.out, max_new_tokens=a.max_new_tokens,
                                       batch=a.batch, sample_reps=a.sample_reps, deadline=deadline, split=a.split,
-                                      log=lambda s: print(s, flush=True)), indent=1))
+                                      domains=domains, log=lambda s: print(s, flush=True)), indent=1))

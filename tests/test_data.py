@@ -173,6 +173,13 @@ def test_torch_generator_matches_unbatched_greedy_and_resumes(tmp_path):
     generate_dataset_torch(target, prompts, out, max_new_tokens=10, batch=5, sample_reps=1, device="cpu",
                            log=lambda s: None)
     assert read_tokens(out).size == n_before
+    # one domain only (--domains chat): a second sampled pass adds chat rows and nothing else
+    generate_dataset_torch(target, prompts, out, max_new_tokens=10, batch=5, sample_reps=2, device="cpu",
+                           domains=("chat",), log=lambda s: None)
+    new = [r for r in read_index(out) if r["rep"] == 2]
+    assert len(new) == 4 and {r["domain"] for r in new} == {"chat"}
+    with pytest.raises(ValueError, match="domains"):
+        generate_dataset_torch(target, prompts, out, device="cpu", domains=("poetry",), log=lambda s: None)
 
 
 def _tiny_tokenizer(tmp_path):
