@@ -46,7 +46,7 @@ device() {
     cp .device/gguf.part* "$stage"/ 2>/dev/null || true
     local want have
     want=$(grep -c 'gguf.part' .device/parts.sha256)
-    have=$(ls "$stage"/gguf.part* 2>/dev/null | wc -l)
+    have=$(find "$stage" -maxdepth 1 -name 'gguf.part*' | wc -l)
     echo "staged $have of $want GGUF parts in $stage"
     if [ "$have" -lt "$want" ]; then exit 0; fi
     (cd "$stage" && grep 'gguf.part' "$OLDPWD/.device/parts.sha256" | sha256sum -c --quiet)
