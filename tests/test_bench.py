@@ -90,6 +90,18 @@ def test_agreement_detects_a_different_output():
     assert out["prompt_sets"]["code"]["ratios"]["ar / genai-ar"] == 0.5
 
 
+def test_an_acceptance_only_bench_reports_no_speedups_and_writes_strict_json():
+    from ovdflash.stats import GenerationStats
+    spec = GenerationStats()
+    spec.record_round(3, 2)   # 3 drafted, 2 accepted: 3 tokens a round
+    runs = [Run("dflash@4", "code", 0, 3, 1.0, 0.1, [1, 2, 3], {"tpot_ms": 1.0}, foreign_cores=0.0, spec=spec)]
+    out = summarize(runs, ["dflash@4"], ["code"], [])
+    data = out["prompt_sets"]["code"]
+    assert data["best_ar_tokens_per_s"] is None and data["ratios"] == {}
+    assert "speedup" not in data["modes"]["dflash@4"] and data["modes"]["dflash@4"]["mean_acceptance_length"] == 3.0
+    json.dumps(out, allow_nan=False)   # no NaN anywhere: strict JSON readers take it
+
+
 def test_cli_writes_json_and_png(tiny_pair, tmp_path):
     out = tmp_path / "bench"
     res = CliRunner().invoke(bench, [str(tiny_pair), "--prompt-sets", "math", "-n", "1", "--max-new-tokens", "6",
