@@ -140,7 +140,7 @@ class TrainConfig:
     # optimizer and evaluation stay f32). Measured only on an AMX CPU: ~1.3x a step (TRAINING.md, run 11)
     autocast: str | None = None
     # sequences per torch-target forward for features not precomputed (0: 32 on CUDA, 1 on a CPU,
-    # where padding costs what batching saves)
+    # the behaviour before batching; whether batches pay on a CPU, against their padding, is unmeasured)
     target_batch: int = 0
     extra: dict = field(default_factory=dict)
 
