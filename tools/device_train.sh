@@ -15,6 +15,9 @@
 #           transformers checkpoint, trains for $MINUTES (default 7) with online target features
 #           (no OpenVINO feature pass) and writes the checkpoint (f16) and its log to $OUT/drafter.
 #           A rerun in the same warm machine resumes the training ($STAGE/state).
+#           GEN_MINUTES (default 0) first spends that long on sampled chat replies (GEN_REPS passes
+#           in all, default 4, over the follow-up pools GEN_POOLS) and returns them in
+#           $OUT/gpu_data.tar: untar it into models/smollm2/ (the directories only grew).
 #
 # The recipe is run 14's (models/smollm2_dflash/TRAINING.md), warm-started from the shipped
 # drafter, on every data directory, with a GPU's batch; TRAIN_ARGS appends or overrides options
@@ -64,9 +67,25 @@ device() {
         "$PYTHON" -c "import sys; from ovdflash_export.gguf_tokenizer import convert_gguf_to_hf; convert_gguf_to_hf(sys.argv[1], sys.argv[2])" \
             "$gguf" "$hf" && touch "$hf/.complete"
     fi
-    local data=()
-    for d in data data_followup data_followup2b data_followup3 data_followup3b data_followup4 data_wide data_wide_followup; do
-        data+=(--data "models/smollm2/$d")
+    # GEN_MINUTES > 0: first, more sampled chat replies (the drafter's weakest domain) to the
+    # follow-up pools' chat prompts, written into copies of their data directories (the rows they
+    # hold are skipped), trained on, and returned packed in $OUT/gpu_data.tar
+    local data=() gen="$stage/gen" dirs="data data_followup data_followup2b data_followup3 data_followup3b data_followup4 data_wide data_wide_followup"
+    local pools="${GEN_POOLS:-followup followup2b followup3 followup3b followup4}"
+    if [ "${GEN_MINUTES:-0}" != 0 ]; then
+        local per_pool
+        per_pool=$("$PYTHON" -c "import sys; print(float(sys.argv[1]) / len(sys.argv[2].split()))" "$GEN_MINUTES" "$pools")
+        mkdir -p "$gen"
+        for pool in $pools; do
+            [ -d "$gen/data_$pool" ] || cp -r "models/smollm2/data_$pool" "$gen/"
+            "$PYTHON" -u -m ovdflash_export.data --backend torch --device "${DEVICE:-cuda}" --hf-model "$hf" \
+                --prompts "models/prompts_$pool" --out "$gen/data_$pool" --domains chat \
+                --sample-reps "${GEN_REPS:-4}" --batch "${GEN_BATCH:-256}" --minutes "$per_pool" 2>&1 | tail -3
+        done
+        (cd "$gen" && tar cf "$out/gpu_data.tar" $(for pool in $pools; do echo "data_$pool"; done))
+    fi
+    for d in $dirs; do
+        if [ -d "$gen/$d" ]; then data+=(--data "$gen/$d"); else data+=(--data "models/smollm2/$d"); fi
     done
     # shellcheck disable=SC2086
     "$PYTHON" -u -c "from ovdflash.cmd_train import train; train()" --target "$hf" "${data[@]}" \
