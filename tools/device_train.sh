@@ -33,6 +33,7 @@ pack() {
         echo "no GGUF at $gguf: run 'ovdflash chat' once (it fetches SmolLM2), or set GGUF=" >&2
         exit 1
     fi
+    gguf=$(realpath "$gguf")
     grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
     rm -rf .device && mkdir -p .device/whl
     split -b 33000000 --numeric-suffixes=1 -a 1 "$gguf" .device/gguf.part
@@ -50,7 +51,7 @@ device() {
     local want have
     want=$(grep -c 'gguf.part' .device/parts.sha256)
     have=$(find "$stage" -maxdepth 1 -name 'gguf.part*' | wc -l)
-    echo "staged $have of $want GGUF parts in $stage"
+    echo "staged $have of $want GGUF parts in $stage (fewer than the calls so far: the machine went cold, start over)"
     if [ "$have" -lt "$want" ]; then exit 0; fi
     (cd "$stage" && grep 'gguf.part' "$OLDPWD/.device/parts.sha256" | sha256sum -c --quiet)
     local hf="$stage/hf" gguf="$stage/SmolLM2-135M-Instruct.Q4_1.gguf"
