@@ -204,6 +204,14 @@ def _work_list(prompts: list[dict], passes: list[tuple[str, int]], done: set) ->
     return work
 
 
+def check_domains(domains) -> tuple[str, ...]:
+    """`domains` as a tuple, or ValueError unless it is a non-empty subset of DOMAINS."""
+    domains = tuple(domains)
+    if not domains or set(domains) - set(DOMAINS):
+        raise ValueError(f"domains must be a non-empty subset of {DOMAINS}, got {list(domains)}")
+    return domains
+
+
 def _open_work(hf_model_dir, prompts_dir, out_dir, split: str, sample_reps: int, domains=DOMAINS):
     """(HF tokenizer, eos id, ShardWriter, work list still to do) for a generator run over the
     prompts of `domains`."""
@@ -211,8 +219,7 @@ def _open_work(hf_model_dir, prompts_dir, out_dir, split: str, sample_reps: int,
 
     from ovdflash_export.prompts import load_prompts
 
-    if not domains or set(domains) - set(DOMAINS):
-        raise ValueError(f"domains must be a non-empty subset of {DOMAINS}, got {list(domains)}")
+    domains = check_domains(domains)
     tok = AutoTokenizer.from_pretrained(str(hf_model_dir))
     prompts = []
     for d in domains:
@@ -267,7 +274,7 @@ def generate_dataset(ov_model_dir, hf_model_dir, prompts_dir, out_dir, *, max_ne
     import openvino_genai as og
 
     tok, eos, writer, work = _open_work(hf_model_dir, prompts_dir, out_dir, split, sample_reps, domains)
-    try:
+    with writer:  # closing packs the directory, also when a run is stopped (ovdflash_export.data docstring)
         log(f"{len(work)} generations to do ({len(writer.done)} already stored)")
 
         sc = og.SchedulerConfig()
@@ -329,8 +336,6 @@ def generate_dataset(ov_model_dir, hf_model_dir, prompts_dir, out_dir, *, max_ne
                 pending.clear()  # finish what is in flight, start nothing new
         run["seconds"] = round(time.time() - t0, 1)
         meta_path.write_text(json.dumps(meta, indent=1))
-    finally:
-        writer.close()  # pack: plain files out, .xz in (module docstring)
     return data_summary(out_dir)
 
 
@@ -349,7 +354,7 @@ def generate_dataset_torch(hf_model_dir, prompts_dir, out_dir, *, max_new_tokens
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     tok, eos, writer, work = _open_work(hf_model_dir, prompts_dir, out_dir, split, sample_reps, domains)
-    try:
+    with writer:  # closing packs the directory, also when a run is stopped (ovdflash_export.data docstring)
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos
         model = AutoModelForCausalLM.from_pretrained(str(hf_model_dir), dtype=torch.float32).to(dev).eval()
         log(f"{len(work)} generations to do ({len(writer.done)} already stored), device {dev}")
@@ -390,8 +395,6 @@ def generate_dataset_torch(hf_model_dir, prompts_dir, out_dir, *, max_new_tokens
             meta_path.write_text(json.dumps(meta, indent=1))
             log(f"[{i}/{len(work)}] run total {run['response_tokens']} tokens, "
                 f"{run['response_tokens'] / max(time.time() - t0, 1e-9):.0f} tok/s")
-    finally:
-        writer.close()  # pack: plain files out, .xz in (module docstring)
     return data_summary(out_dir)
 
 
@@ -416,9 +419,10 @@ if __name__ == "__main__":
     ap.add_argument("--domains", default=",".join(DOMAINS),
                     help="comma list: only these domains' prompts (e.g. chat, the domain the drafter drafts worst)")
     a = ap.parse_args()
-    domains = tuple(d.strip() for d in a.domains.split(",") if d.strip())
-    if not domains or set(domains) - set(DOMAINS):
-        ap.error(f"--domains: choose from {','.join(DOMAINS)}, got {a.domains!r}")
+    try:
+        domains = check_domains(d.strip() for d in a.domains.split(",") if d.strip())
+    except ValueError as exc:
+        ap.error(f"--domains: {exc}")
     deadline = time.time() + a.minutes * 60 if a.minutes else None
     if a.backend == "torch":
         print(json.dumps(generate_dataset_torch(a.hf_model, a.prompts, a.out, max_new_tokens=a.max_new_tokens,

@@ -67,7 +67,7 @@ def build_text_dataset(tokenizer_dir, out_dir, code_tokens: int = 800_000, prose
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     end = tok.convert_tokens_to_ids("<|im_end|>")
     writer = ShardWriter(out_dir)
-    try:
+    with writer:  # closing packs the directory, also when a run is stopped (ovdflash_export.data docstring)
         rng = random.Random(seed)
         files = stdlib_files(stdlib_root)
         rng.shuffle(files)
@@ -101,8 +101,6 @@ def build_text_dataset(tokenizer_dir, out_dir, code_tokens: int = 800_000, prose
                 writer.append(prompt + answer, len(prompt), domain, "text", f"stdlib:{pid}", 0,
                               finished=answer[-1] == end)
                 made[domain] += len(answer)
-    finally:
-        writer.close()  # pack (ovdflash_export.data docstring)
     summary = data_summary(out_dir)
     (Path(out_dir) / "meta.json").write_text(json.dumps({
         "generator": "ovdflash_export.textdata", "source": f"Python {sys.version.split()[0]} standard library",

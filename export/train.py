@@ -182,14 +182,37 @@ class FrozenTarget:
         K (needs `predictions`) a third value: the K most likely next tokens after every position
         and their log-probabilities over the whole vocabulary ([S, K] int64, [S, K] f32, on the
         CPU), the soft labels that `ovdflash_export.features --topk` stores."""
-        if topk and not self.predictions:  # refused before the forward, not after it
-            raise ValueError("top-k soft labels need the whole target: FrozenTarget(predictions=True)")
+        self._check_topk(topk)
         self._captured.clear()
         out = self.base(input_ids=ids[None].to(self.device), use_cache=False)
-        feats = torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1).float()
+        return self._result(0, ids.numel(), out, topk)
+
+    @torch.no_grad()
+    def features_batch(self, seqs: list[torch.Tensor], topk: int = 0) -> list[tuple]:
+        """`features` of several sequences in one right-padded forward (a GPU runs one sequence
+        at a time far below its capacity). Causal attention never lets a real position see the
+        padding after it, so each result equals `features` up to float rounding."""
+        self._check_topk(topk)
+        lengths = [int(t.numel()) for t in seqs]
+        ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, t in enumerate(seqs):
+            ids[r, : lengths[r]], mask[r, : lengths[r]] = t, 1
+        self._captured.clear()
+        out = self.base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
+        return [self._result(r, L, out, topk) for r, L in enumerate(lengths)]
+
+    def _check_topk(self, topk: int) -> None:
+        if topk and not self.predictions:  # refused before the forward, not after it
+            raise ValueError("top-k soft labels need the whole target: FrozenTarget(predictions=True)")
+
+    def _result(self, row: int, length: int, out, topk: int) -> tuple:
+        """`features`' return value for batch row `row` (its first `length` positions) of the
+        forward just run (`out`, and the layer outputs the hooks captured)."""
+        feats = torch.cat([self._captured[i][row, :length] for i in self.layer_ids], dim=-1).float()
         if not self.predictions:
             return feats, None
-        final = out.last_hidden_state[0]  # after the final norm
+        final = out.last_hidden_state[row, :length]  # after the final norm
         preds, top_ids, top_logp = [], [], []
         for c in final.split(256):
             logits = (c @ self.lm_head_weight.T).float()
@@ -202,36 +225,6 @@ class FrozenTarget:
         if not topk:
             return feats, pred
         return feats, pred, (torch.cat(top_ids).cpu(), torch.cat(top_logp).cpu())
-
-    @torch.no_grad()
-    def features_batch(self, seqs: list[torch.Tensor], topk: int = 0) -> list[tuple]:
-        """`features` of several sequences in one right-padded forward (a GPU runs one sequence
-        at a time far below its capacity). Causal attention never lets a real position see the
-        padding after it, so each result equals `features` up to float rounding."""
-        lengths = [int(t.numel()) for t in seqs]
-        ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, t in enumerate(seqs):
-            ids[r, : lengths[r]], mask[r, : lengths[r]] = t, 1
-        if topk and not self.predictions:
-            raise ValueError("top-k soft labels need the whole target: FrozenTarget(predictions=True)")
-        self._captured.clear()
-        out = self.base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
-        layers = [self._captured[i] for i in self.layer_ids]
-        results = []
-        for r, L in enumerate(lengths):
-            feats = torch.cat([h[r, :L] for h in layers], dim=-1).float()
-            if not self.predictions:
-                results.append((feats, None))
-                continue
-            logits = (out.last_hidden_state[r, :L] @ self.lm_head_weight.T).float()
-            pred = logits.argmax(-1).cpu()
-            if not topk:
-                results.append((feats, pred))
-                continue
-            top = torch.log_softmax(logits, -1).topk(topk, dim=-1)
-            results.append((feats, pred, (top.indices.cpu(), top.values.cpu())))
-        return results
 
 
 class FeatureStore:
@@ -253,7 +246,7 @@ class FeatureStore:
         """Compute the features of the (idx, ids) not cached yet, `batch` sequences a forward
         (FrozenTarget.features_batch); the next `get` of each takes them from here."""
         todo = [(i, t) for i, t in items if i not in self.cache and i not in self.fetched]
-        for k in range(0, len(todo) if batch > 1 else 0, batch):
+        for k in range(0, len(todo), batch):
             chunk = todo[k:k + batch]
             for (i, t), res in zip(chunk, self.target.features_batch([t for _, t in chunk], self.topk)):
                 self.fetched[i] = (t.numel(), res)
@@ -266,7 +259,7 @@ class FeatureStore:
         if fetched is not None and fetched[0] == ids.numel():
             res = fetched[1]
         else:
-            res = self.target.features(ids, self.topk) if self.topk else self.target.features(ids)
+            res = self.target.features(ids, self.topk)
         if self.topk:
             feats, pred, (top_ids, top_logp) = res
             soft = (top_ids.to(torch.int32), top_logp.to(torch.float16))
@@ -327,7 +320,7 @@ class PrecomputedStore:
         missing = []
         for i, t in items:
             f, offset = self._file_for(i)
-            if f is None or f._rows_of(offset, t.numel()) is None:
+            if f is None or f.lookup(offset, t.numel()) is None:   # as `get` decides
                 missing.append((i, t))
         self.fallback.prefetch(missing, batch)
 
