@@ -27,6 +27,10 @@ earlier exchange kept; the new request differs from the earlier one); conversati
 Rows are shuffled (fixed seed), so a generation stopped early still covers every source.
 Run: `python -m ovdflash_export.prompts --followups-from models/smollm2/data --hf-model HF_DIR
 --out models/prompts_followup`.
+
+Wider first-turn pools: `--wide` (`build_wide_pool`: standard-library function completions and
+MT-Bench-category chat over a second topic list) and `--chat2` (`build_chat2_pool`: more chat
+first turns, none asked by the eval sets or by the pools given with `--avoid`).
 """
 from __future__ import annotations
 
@@ -429,14 +433,20 @@ def stdlib_code_prompts(stdlib_dir=None, min_doc: int = 30, max_doc: int = 400) 
     return out
 
 
+def _framed_chat_prompt(prefix: str, topic_key, topic: str, j: int) -> dict:
+    category, frame = _WIDE_FRAMES[j]
+    return {"id": f"{prefix}-{category}-{topic_key}-{j}", "domain": "chat", "source": f"wide-{category}",
+            "turns": [frame.format(t=topic)]}
+
+
+def _sampled_frames(rng: random.Random, prefix: str, topics: list[str], frames_per_topic: int) -> list[dict]:
+    """Each topic under `frames_per_topic` of the wide frames, drawn by `rng`."""
+    return [_framed_chat_prompt(prefix, i, t, j) for i, t in enumerate(topics)
+            for j in sorted(rng.sample(range(len(_WIDE_FRAMES)), frames_per_topic))]
+
+
 def wide_chat_prompts(rng: random.Random, frames_per_topic: int = 6) -> list[dict]:
-    out = []
-    for i, t in enumerate(_WIDE_TOPICS):
-        for j in sorted(rng.sample(range(len(_WIDE_FRAMES)), frames_per_topic)):
-            category, frame = _WIDE_FRAMES[j]
-            out.append({"id": f"wide-{category}-{i}-{j}", "domain": "chat", "source": f"wide-{category}",
-                        "turns": [frame.format(t=t)]})
-    return out
+    return _sampled_frames(rng, "wide", _WIDE_TOPICS, frames_per_topic)
 
 
 def build_wide_pool(out_dir, eval_dir, seed: int = SEED, stdlib_dir=None) -> dict:
@@ -447,6 +457,56 @@ def build_wide_pool(out_dir, eval_dir, seed: int = SEED, stdlib_dir=None) -> dic
     held = {r["turns"][0] for d in DOMAINS for r in load_prompts(Path(eval_dir) / f"eval_{d}.jsonl")}
     rows = {"code": stdlib_code_prompts(stdlib_dir), "math": [], "chat": wide_chat_prompts(rng)}
     return write_train_pool(out_dir, {d: [r for r in rows[d] if r["turns"][0] not in held] for d in DOMAINS}, rng)
+
+
+# ------------------------------------------------------------------ a second wider chat pool
+# Chat is the domain the drafter drafts worst, from the fewest first turns: 250 in the first pool
+# (40 topics x 4 of 6 frames, 50 misc requests, 40 MT-Bench first turns) and 546 in the wide one
+# (91 topics x 6 of 16 frames). `build_chat2_pool` adds the other 10 frames of every wide topic
+# and a third topic list under 6 of the 16 frames: first turns of the MT-Bench categories that no
+# earlier pool asked.
+_CHAT2_TOPICS = [
+    "the history of chess", "sourdough starters", "the Hanseatic League", "bats and echolocation",
+    "the invention of the telephone", "desert plants", "the Inca road system", "mushroom foraging",
+    "the Apollo 13 mission", "city parks", "the history of tea", "lightning", "the Phoenicians",
+    "electric bicycles", "the Dead Sea", "the history of jazz in New Orleans", "octopuses", "urban heat islands",
+    "the Meiji Restoration", "water filtration", "the Fibonacci sequence in nature", "hot air balloons",
+    "the Great Barrier Reef", "the history of photography", "wildfires", "the Suez Canal", "sleep cycles",
+    "the Hundred Years' War", "composting", "the northern lights", "vinyl records", "the Maya calendar",
+    "hydroelectric dams", "the history of the piano", "sea turtles", "the Enlightenment", "rice farming",
+    "the James Webb telescope", "the history of maps", "avalanches", "the Library of Alexandria",
+    "the circular economy", "penguins", "the Harlem Renaissance", "batteries", "the Panama Canal",
+    "the history of soap", "monsoons", "the Khmer Empire", "cybersecurity", "the history of the calendar",
+    "cheese making", "the Galapagos Islands", "the Berlin Wall", "memory and forgetting", "skyscrapers",
+    "the spice trade", "coral bleaching", "the history of football", "the Ring of Fire", "elephants",
+    "the Reformation", "paper recycling", "the history of medicine", "geothermal energy", "owls",
+    "the Trans-Siberian Railway", "the history of writing", "invasive species", "the Gold Rush",
+    "kites", "the human skeleton", "the Song dynasty", "podcasts", "the history of ice cream",
+    "antibiotic resistance", "the Alps", "the telegraph", "hummingbirds", "the history of money",
+]
+
+
+def chat2_prompts(rng: random.Random, frames_per_topic: int = 6) -> list[dict]:
+    """The candidates: every wide topic under every wide frame (ids `chat2-<category>-w<i>-<j>`), and
+    `_CHAT2_TOPICS` under `frames_per_topic` of the wide frames (`chat2-<category>-<i>-<j>`)."""
+    return ([_framed_chat_prompt("chat2", f"w{i}", t, j) for i, t in enumerate(_WIDE_TOPICS)
+             for j in range(len(_WIDE_FRAMES))]
+            + _sampled_frames(rng, "chat2", _CHAT2_TOPICS, frames_per_topic))
+
+
+def build_chat2_pool(out_dir, eval_dir, avoid_dirs, seed: int = SEED) -> dict:
+    """Write train_chat.jsonl (chat2_prompts; empty code and math files) into out_dir, rows
+    shuffled (fixed seed), without any first turn of `eval_dir`'s eval sets or of the train pools
+    in `avoid_dirs`."""
+    rng = random.Random(seed)
+    held = {r["turns"][0] for d in DOMAINS for r in load_prompts(Path(eval_dir) / f"eval_{d}.jsonl")}
+    used = set(held)
+    for pool in avoid_dirs:
+        for d in DOMAINS:
+            if prompt_file(Path(pool) / f"train_{d}.jsonl") is not None:
+                used |= {r["turns"][0] for r in load_prompts(Path(pool) / f"train_{d}.jsonl")}
+    rows = [r for r in chat2_prompts(rng) if r["turns"][0] not in used]
+    return write_train_pool(out_dir, {"code": [], "math": [], "chat": rows}, rng)
 
 
 # ------------------------------------------------------------------ wheels
@@ -680,11 +740,16 @@ if __name__ == "__main__":
     ap.add_argument("--wide", action="store_true",
                     help="write the wider first-turn pool (stdlib function completions, MT-Bench-style chat) "
                          "instead; --prompts names the pool whose eval sets it must avoid")
+    ap.add_argument("--chat2", action="store_true",
+                    help="write the second wider chat pool instead, avoiding --prompts' eval sets and the "
+                         "first turns of every --avoid pool")
     ap.add_argument("--seed", type=int, default=SEED)
     args = ap.parse_args()
-    if args.avoid and not args.variant:
+    if args.avoid and not args.variant and not args.chat2:
         ap.error("--avoid needs --variant N (N >= 1), or the new pool's ids would repeat the earlier pool's")
-    if args.wide:
+    if args.chat2:
+        print(json.dumps(build_chat2_pool(args.out, args.prompts, args.avoid, args.seed), indent=1))
+    elif args.wide:
         print(json.dumps(build_wide_pool(args.out, args.prompts, args.seed), indent=1))
     elif args.followups_from:
         if not args.hf_model:

@@ -159,6 +159,8 @@ class DFlashPipeline:
                         **compile_options) -> "DFlashPipeline":
         from .ov_models import compile_runners  # openvino is only needed from here on
 
+        if isinstance(model_dir, str) and not model_dir.strip():  # Path("") would quietly mean "."
+            raise ValueError("model_dir is empty: give an ovdflash model directory, or None for the embedded default")
         model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
         manifest = load_manifest(model_dir)
         try:

@@ -352,6 +352,39 @@ def test_shipped_wide_pool_holds_no_eval_prompt():
         assert not {r["turns"][0] for r in rows} & {r["turns"][0] for r in _rows(f"train_{d}.jsonl")}
 
 
+def test_chat2_pool_avoids_eval_and_earlier_first_turns_and_rebuilds_identically(tmp_path):
+    from ovdflash_export.prompts import DOMAINS, build_chat2_pool, chat2_prompts, write_prompts
+    import random
+    candidates = [r["turns"][0] for r in chat2_prompts(random.Random(7))]
+    evals, earlier = tmp_path / "prompts", tmp_path / "earlier"
+    evals.mkdir()
+    earlier.mkdir()
+    for d in DOMAINS:
+        (evals / f"eval_{d}.jsonl").write_text(
+            json.dumps({"id": "e", "domain": d, "source": "s", "turns": [candidates[0] if d == "chat" else "x"]}) + "\n")
+    write_prompts(earlier / "train_chat.jsonl", [{"id": "p", "domain": "chat", "source": "s", "turns": [candidates[1]]}],
+                  pack=True)
+    counts = build_chat2_pool(tmp_path / "a", evals, [earlier], seed=7)
+    build_chat2_pool(tmp_path / "b", evals, [earlier], seed=7)
+    chat = load_prompts(tmp_path / "a" / "train_chat.jsonl")
+    assert chat == load_prompts(tmp_path / "b" / "train_chat.jsonl")
+    firsts = {r["turns"][0] for r in chat}
+    assert candidates[0] not in firsts and candidates[1] not in firsts
+    assert len(chat) == counts["train_chat.jsonl"] == len(set(candidates)) - 2
+    assert len({r["id"] for r in chat}) == len(chat)
+    assert counts["train_code.jsonl"] == counts["train_math.jsonl"] == 0
+
+
+def test_shipped_chat2_pool_asks_nothing_asked_before():
+    rows = load_prompts(PROMPTS.parent / "prompts_chat2" / "train_chat.jsonl")
+    assert len(rows) >= 1000 and len({r["id"] for r in rows}) == len(rows)
+    firsts = {r["turns"][0] for r in rows}
+    assert len(firsts) == len(rows)
+    for pool in ("prompts", "prompts_wide"):
+        assert not firsts & {r["turns"][0] for r in load_prompts(PROMPTS.parent / pool / "train_chat.jsonl")}
+    assert not firsts & {r["turns"][0] for d in ("code", "math", "chat") for r in _rows(f"eval_{d}.jsonl")}
+
+
 def test_shipped_wide_followup_pool_asks_second_turns_of_wide_prompts_only():
     for d in ("code", "chat"):
         wide = PROMPTS.parent / "prompts_wide" / f"train_{d}.jsonl"

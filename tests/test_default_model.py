@@ -64,3 +64,12 @@ def test_new_export_recipe_triggers_reexport(fake_world, monkeypatch):
     monkeypatch.setattr(default_mod, "EXPORT_RECIPE", default_mod.EXPORT_RECIPE + ";changed")
     default_mod.ensure_default_model(root / "cache", progress=False)
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_model_name_is_a_clear_error_not_the_current_directory(name, tmp_path, monkeypatch):
+    from ovdflash import DFlashPipeline
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "manifest.json").write_text("{}")  # a current directory that would load if "" meant "."
+    with pytest.raises(ValueError, match="model_dir is empty"):
+        DFlashPipeline.from_pretrained(name)
