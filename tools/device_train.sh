@@ -16,8 +16,9 @@
 #           (no OpenVINO feature pass) and writes the checkpoint (f16) and its log to $OUT/drafter.
 #           A rerun in the same warm machine resumes the training ($STAGE/state).
 #           GEN_MINUTES (default 0) first spends that long on sampled chat replies (GEN_REPS passes
-#           in all, default 4, over the follow-up pools GEN_POOLS) and returns them in
-#           $OUT/gpu_data.tar: untar it into models/smollm2/ (the directories only grew).
+#           in all, default 4, over the chat pools GEN_POOLS: chat2 and the five follow-up pools)
+#           and returns them in $OUT/gpu_data.tar: untar it into models/smollm2/ (the directories
+#           only grew).
 #
 # The recipe is run 14's (models/smollm2_dflash/TRAINING.md), warm-started from the shipped
 # drafter, on every data directory, with a GPU's batch; TRAIN_ARGS appends or overrides options
@@ -71,8 +72,8 @@ device() {
     # GEN_MINUTES > 0: first, more sampled chat replies (the drafter's weakest domain) to the
     # follow-up pools' chat prompts, written into copies of their data directories (the rows they
     # hold are skipped), trained on, and returned packed in $OUT/gpu_data.tar
-    local data=() gen="$stage/gen" dirs="data data_followup data_followup2b data_followup3 data_followup3b data_followup4 data_wide data_wide_followup"
-    local pools="${GEN_POOLS:-followup followup2b followup3 followup3b followup4}"
+    local data=() gen="$stage/gen" dirs="data data_followup data_followup2b data_followup3 data_followup3b data_followup4 data_wide data_wide_followup data_chat2"
+    local pools="${GEN_POOLS:-chat2 followup followup2b followup3 followup3b followup4}"
     if [ "${GEN_MINUTES:-0}" != 0 ]; then
         local per_pool
         per_pool=$("$PYTHON" -c "import sys; print(float(sys.argv[1]) / len(sys.argv[2].split()))" "$GEN_MINUTES" "$pools")
