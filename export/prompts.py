@@ -449,12 +449,18 @@ def wide_chat_prompts(rng: random.Random, frames_per_topic: int = 6) -> list[dic
     return _sampled_frames(rng, "wide", _WIDE_TOPICS, frames_per_topic)
 
 
+def eval_first_turns(eval_dir) -> set[str]:
+    """The first user turns of `eval_dir`'s eval sets (every domain's file must be there): what no
+    train pool may ask."""
+    return {r["turns"][0] for d in DOMAINS for r in load_prompts(Path(eval_dir) / f"eval_{d}.jsonl")}
+
+
 def build_wide_pool(out_dir, eval_dir, seed: int = SEED, stdlib_dir=None) -> dict:
     """Write train_code.jsonl (stdlib_code_prompts), train_chat.jsonl (wide_chat_prompts) and an
     empty train_math.jsonl into out_dir, rows shuffled (fixed seed), without any first turn of
     `eval_dir`'s eval sets."""
     rng = random.Random(seed)
-    held = {r["turns"][0] for d in DOMAINS for r in load_prompts(Path(eval_dir) / f"eval_{d}.jsonl")}
+    held = eval_first_turns(eval_dir)
     rows = {"code": stdlib_code_prompts(stdlib_dir), "math": [], "chat": wide_chat_prompts(rng)}
     return write_train_pool(out_dir, {d: [r for r in rows[d] if r["turns"][0] not in held] for d in DOMAINS}, rng)
 
@@ -499,12 +505,12 @@ def build_chat2_pool(out_dir, eval_dir, avoid_dirs, seed: int = SEED) -> dict:
     shuffled (fixed seed), without any first turn of `eval_dir`'s eval sets or of the train pools
     in `avoid_dirs`."""
     rng = random.Random(seed)
-    held = {r["turns"][0] for d in DOMAINS for r in load_prompts(Path(eval_dir) / f"eval_{d}.jsonl")}
-    used = set(held)
+    used = eval_first_turns(eval_dir)
     for pool in avoid_dirs:
         for d in DOMAINS:
-            if prompt_file(Path(pool) / f"train_{d}.jsonl") is not None:
-                used |= {r["turns"][0] for r in load_prompts(Path(pool) / f"train_{d}.jsonl")}
+            path = Path(pool) / f"train_{d}.jsonl"
+            if prompt_file(path) is not None:
+                used |= {r["turns"][0] for r in load_prompts(path)}
     rows = [r for r in chat2_prompts(rng) if r["turns"][0] not in used]
     return write_train_pool(out_dir, {"code": [], "math": [], "chat": rows}, rng)
 
