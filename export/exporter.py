@@ -64,6 +64,11 @@ def _target_config(target: Path) -> dict:
     if target.suffix == ".gguf":
         if not target.is_file():
             raise ExportError(f"target GGUF file not found: {target}")
+        from .gguf_tokenizer import check_gguf_tokenizer
+        try:
+            check_gguf_tokenizer(target)
+        except ValueError as exc:
+            raise ExportError(str(exc)) from None
     elif not (target / "config.json").is_file():
         raise ExportError(f"target is not a HF model directory (no config.json): {target}")
     try:

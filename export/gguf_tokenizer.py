@@ -2,7 +2,11 @@
 
 Contract:
 - `build_tokenizer_from_gguf(gguf_path) -> tokenizers.Tokenizer`: the GPT-2 style byte-level
-  BPE tokenizer rebuilt from the GGUF vocab and merges (`tokenizer.ggml.model == "gpt2"`).
+  BPE tokenizer rebuilt from the GGUF vocab and merges (`tokenizer.ggml.model == "gpt2"`), with
+  the pre-tokenizer the GGUF names in `tokenizer.ggml.pre`: `smollm` (SmolLM2), `qwen2`
+  (Qwen2 / Qwen2.5 / Qwen3) or `gpt-2`. Any other raises a one-line ValueError naming it.
+  Control tokens (type 3) are special; user-defined ones (type 4, e.g. Qwen's `<tool_call>`)
+  are matched whole but are not special, as in the original tokenizers.
   Needs only `gguf` + `tokenizers` (no torch).
 - `write_tokenizer_files(gguf_path, out_dir)`: writes `tokenizer.json`, `tokenizer_config.json`
   (eos `<|im_end|>`, no BOS added, the GGUF's chat template) and `chat_template.jinja`.
@@ -12,7 +16,9 @@ Contract:
 
 Why the rebuild: transformers' GGUF loader turns a `gpt2`/`smollm` GGUF tokenizer into a
 SentencePiece-style (CodeLlama) pipeline over a byte-level vocabulary, which encodes every space
-and newline as `<|endoftext|>` (id 0). Every prompt built with it is garbage.
+and newline as `<|endoftext|>` (id 0). Every prompt built with it is garbage. The pre-tokenizer
+must be the family's own: with another one the text still round-trips, but it is cut into words
+the model never saw together (Qwen2 keeps "(self" and "\n\n" as one word, GPT-2's regex does not).
 """
 from __future__ import annotations
 
@@ -20,7 +26,14 @@ import json
 from pathlib import Path
 
 # GGUF token_type values (llama.cpp `llama_token_type`): 3 = control, 4 = user defined.
-_SPECIAL_TOKEN_TYPES = (3, 4)
+_CONTROL, _USER_DEFINED = 3, 4
+_SPECIAL_TOKEN_TYPES = (_CONTROL, _USER_DEFINED)
+
+# Qwen2's word split (its tokenizer.json; llama.cpp's "qwen2" pre-type): case-insensitive
+# contractions, a letter run with one leading non-letter, single digits, newline runs.
+QWEN2_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = ("smollm", "qwen2", "gpt-2")
 
 
 def _field(reader, key):
@@ -52,26 +65,56 @@ def read_gguf_tokenizer_metadata(gguf_path) -> dict:
     return meta
 
 
+def _pre_tokenization(pre: str | None, gguf_path):
+    """(normalizer, pre_tokenizer) of the family named by the GGUF's `tokenizer.ggml.pre`."""
+    from tokenizers import Regex, normalizers, pre_tokenizers
+
+    if pre == "smollm":  # every digit is its own word, then GPT-2's regex
+        return None, pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+    if pre == "qwen2":
+        return normalizers.NFC(), pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    if pre in ("gpt-2", "gpt2"):
+        return None, pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    raise ValueError(f"{gguf_path}: GGUF pre-tokenizer {pre!r} is not supported (supported: "
+                     f"{', '.join(PRE_TOKENIZERS)}); pass a Hugging Face directory with its tokenizer.json instead")
+
+
+def check_gguf_tokenizer(gguf_path) -> None:
+    """Raise the one-line ValueError a conversion would, before any weights are read: a byte-level
+    BPE tokenizer whose pre-tokenizer is not one of PRE_TOKENIZERS. Other tokenizer models pass
+    (transformers converts those itself)."""
+    try:
+        meta = read_gguf_tokenizer_metadata(gguf_path)
+    except ValueError:
+        return
+    _pre_tokenization(meta["pre"], gguf_path)
+
+
 def build_tokenizer_from_gguf(gguf_path, meta: dict | None = None):
-    """Byte-level BPE `tokenizers.Tokenizer` from the GGUF vocab + merges (SmolLM2 layout)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    """Byte-level BPE `tokenizers.Tokenizer` from the GGUF vocab + merges and its family's pre-tokenizer."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
     meta = meta or read_gguf_tokenizer_metadata(gguf_path)
+    normalizer, pre_tokenizer = _pre_tokenization(meta["pre"], gguf_path)
     tokens = meta["tokens"]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False,
                                byte_fallback=False))
-    # SmolLM2's pre-tokenizer ("smollm" in llama.cpp): every digit is its own word, then GPT-2 regex.
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-    ])
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizer
     tok.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
     tok.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True)
-    specials = [AddedToken(tokens[i], special=True, normalized=False)
-                for i, t in enumerate(meta["token_type"]) if int(t) in _SPECIAL_TOKEN_TYPES]
-    tok.add_special_tokens(specials)
+    types = [int(t) for t in meta["token_type"]]
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i, t in enumerate(types) if t == _CONTROL])
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                    for i, t in enumerate(types) if t == _USER_DEFINED])
     return tok
 
 
@@ -87,7 +130,7 @@ def write_tokenizer_files(gguf_path, out_dir, meta: dict | None = None) -> None:
     # The chat format is ChatML: a turn ends with <|im_end|>, which is therefore the EOS.
     eos = "<|im_end|>" if "<|im_end|>" in tokens else tokens[meta["eos_token_id"]]
     added_decoder = {str(i): {"content": tokens[i], "lstrip": False, "normalized": False,
-                              "rstrip": False, "single_word": False, "special": True}
+                              "rstrip": False, "single_word": False, "special": int(t) == _CONTROL}
                      for i, t in enumerate(meta["token_type"]) if int(t) in _SPECIAL_TOKEN_TYPES}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -119,6 +162,7 @@ def convert_gguf_to_hf(gguf_path, out_dir) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = read_gguf_tokenizer_metadata(gguf_path)
+    _pre_tokenization(meta["pre"], gguf_path)  # an unsupported tokenizer fails before the weights load
     model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                  dtype=torch.float32)
     eos_id = meta["tokens"].index("<|im_end|>") if "<|im_end|>" in meta["tokens"] else meta["eos_token_id"]

@@ -152,6 +152,20 @@ def test_cli_rejects_missing_config(tiny_sources, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_cli_rejects_a_gguf_whose_tokenizer_it_cannot_rebuild(tiny_sources, tmp_path):
+    """Before any weights load: one line naming the pre-tokenizer, nothing written."""
+    from test_fetch import write_tokenizer_gguf
+
+    _, drafter = tiny_sources()
+    gguf = tmp_path / "odd.gguf"
+    write_tokenizer_gguf(gguf, pre="falcon")
+    result = _export("--target", gguf, "--drafter", drafter, "--out", tmp_path / "o")
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0].startswith("Error: ") and "'falcon'" in lines[0] and "tokenizer.json" in lines[0]
+    assert not (tmp_path / "o").exists()
+
+
 def test_cli_module_imports_no_torch():
     """The export command loads the torch side lazily: `ovdflash --help` must stay light."""
     import subprocess

