@@ -118,18 +118,21 @@ def default_model_dir() -> Path:
 
 
 def default_compile_config(manifest: dict) -> dict:
-    """The plugin's defaults, plus the manifest's optional `compile_options`; for SmolLM2 also
-    f32 inference (bf16 hurts it) and an f16 KV cache: with u8 KV, verify rows attend to fresh
-    K/V while AR steps read quantized K/V, and greedy DFlash differed from AR on 4/10 SmolLM2
-    prompts (near-ties); f16 KV: 0/10, at no measurable speed cost for a 135M model.
-    For every model, CPU pinning off: on a 2-core VM shared with other jobs, 2 pinned threads
-    gave SmolLM2 AR 20.1 tok/s and a K=8 verify 110 ms, unpinned 25.9 tok/s and 66 ms
-    (docs/BENCHMARKS.md, Knobs); a quiet many-core machine is not measured yet."""
+    """The plugin's defaults, plus the manifest's optional `compile_options`, with three changes.
+    For every model an f32 KV cache: a verify row attends to its own block's K/V fresh from the
+    forward, while an AR step reads them back from the cache, so a rounded cache makes greedy
+    DFlash drift from AR at near-ties. With the plugin's u8 cache that was 4 of 10 SmolLM2
+    prompts; with f16, 2 of 6 Qwen2.5-Coder-0.5B runs (SmolLM2 0 of 18); with f32, none (0 of
+    18 SmolLM2, 0 of 6 Qwen runs), at the same AR and DFlash speed here (docs/BENCHMARKS.md,
+    session 19). For SmolLM2 also f32 inference (bf16 hurts its answers). For every model, CPU
+    pinning off: on a 2-core VM shared with other jobs, 2 pinned threads gave SmolLM2 AR 20.1
+    tok/s and a K=8 verify 110 ms, unpinned 25.9 tok/s and 66 ms (docs/BENCHMARKS.md, Knobs); a
+    quiet many-core machine is not measured yet."""
     config = dict(manifest.get("compile_options", {}))
     config.setdefault("ENABLE_CPU_PINNING", False)
+    config.setdefault("KV_CACHE_PRECISION", "f32")
     if "smollm2" in str(manifest.get("target", {}).get("source", "")).lower():
         config.setdefault("INFERENCE_PRECISION_HINT", "f32")
-        config.setdefault("KV_CACHE_PRECISION", "f16")
     return config
 
 

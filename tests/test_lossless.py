@@ -10,8 +10,10 @@ The default-precision comparison is a measurement: `-m slow -s` prints it. Why d
 differ: with a u8 KV cache, a verify block's tokens attend to each other's fresh (unquantized)
 K/V, while autoregressive steps read them back quantized from the cache, so rows 1..B-1 of a
 verify differ slightly from the AR steps (measured up to ~0.5 logits on SmolLM2 int8) and a
-near-tie argmax can flip. f32 or f16 KV removes it. (This host's CPU has no bf16, so a bf16
-hint silently compiles as f32 here.)
+near-tie argmax can flip. f16 KV makes it rarer (it still flipped 2 of 6 Qwen2.5-Coder-0.5B runs),
+f32 KV removes it, which is why every target gets an f32 KV cache by default
+(`pipeline.default_compile_config`). (This host's CPU has no bf16, so a bf16 hint silently
+compiles as f32 here.)
 """
 import numpy as np
 import openvino as ov
@@ -123,11 +125,13 @@ def test_long_accepted_prefixes_through_the_real_target(strict_pipe):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("runner", ["paged", "stateful"])
-@pytest.mark.parametrize("config", [{}, {"INFERENCE_PRECISION_HINT": "bf16"}], ids=["plugin-defaults", "bf16"])
+@pytest.mark.parametrize("config", [{}, {"KV_CACHE_PRECISION": "u8"}, {"INFERENCE_PRECISION_HINT": "bf16"}],
+                         ids=["defaults", "u8-kv", "bf16"])
 def test_default_precision_divergence_report(tiny_pair, tmp_path_factory, config, runner):
-    """Plugin defaults (u8 KV, dynamic quantization; f32 or bf16 compute by CPU) and forced bf16:
-    count prompts where DFlash and AR differ, and check each first divergence is a near-tie of the
-    AR logits (a batch-shape rounding flip, not a logic error)."""
+    """The pipeline's defaults (f32 KV, the plugin's dynamic quantization; f32 or bf16 compute by
+    CPU), the plugin's u8 KV cache, and forced bf16: count prompts where DFlash and AR differ, and
+    check each first divergence is a near-tie of the AR logits (a batch-shape rounding flip, not a
+    logic error)."""
     pipe = DFlashPipeline.from_pretrained(tiny_pair, cache_dir=tmp_path_factory.mktemp("ov_cache_def"),
                                           target_runner=runner, **config)
     props = {k: str(pipe.target.compiled.get_property(k)) for k in
@@ -151,6 +155,23 @@ def test_default_precision_divergence_report(tiny_pair, tmp_path_factory, config
           f"compactions {pipe.target.num_compactions}")
     assert pipe.target.num_compactions > 0 or runner == "paged"
     assert all(m < 0.25 for m in margins), margins
+
+
+def test_every_target_gets_an_f32_kv_cache_unless_told(tiny_pair, tmp_path_factory):
+    """pipeline.default_compile_config: f32 KV for any model (a rounded cache lets DFlash drift
+    from AR); the manifest's compile_options and the caller's settings win over it."""
+    from ovdflash.pipeline import default_compile_config
+
+    assert default_compile_config({"target": {"source": "/x/qwen.gguf"}})["KV_CACHE_PRECISION"] == "f32"
+    assert default_compile_config({"compile_options": {"KV_CACHE_PRECISION": "u8"}})["KV_CACHE_PRECISION"] == "u8"
+    cache = tmp_path_factory.mktemp("ov_cache_kv")
+    for runner in ("paged", "stateful"):
+        pipe = DFlashPipeline.from_pretrained(tiny_pair, cache_dir=cache, target_runner=runner)
+        assert pipe.target.compiled.get_property("KV_CACHE_PRECISION") == ov.Type.f32
+        if runner == "paged":
+            assert {t for _, t, _ in pipe.target.cache_inputs} == {ov.Type.f32}
+    told = DFlashPipeline.from_pretrained(tiny_pair, cache_dir=cache, KV_CACHE_PRECISION="u8")
+    assert told.target.compiled.get_property("KV_CACHE_PRECISION") == ov.Type.u8
 
 
 def test_drafter_compiles_without_dynamic_quantization_unless_told(tiny_pair, tmp_path_factory):
