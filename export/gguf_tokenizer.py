@@ -11,8 +11,8 @@ Contract:
 - `write_tokenizer_files(gguf_path, out_dir)`: writes `tokenizer.json`, `tokenizer_config.json`
   (eos `<|im_end|>`, no BOS added, the GGUF's chat template) and `chat_template.jinja`.
 - `convert_gguf_to_hf(gguf_path, out_dir)`: dequantizes the GGUF weights into an f32
-  transformers checkpoint (config.json + model.safetensors + generation_config.json) and writes
-  the rebuilt tokenizer over whatever transformers produced.
+  transformers checkpoint (config.json + model.safetensors + generation_config.json, whose EOS ids
+  are `gguf_eos_token_ids`) and writes the rebuilt tokenizer over whatever transformers produced.
 
 Why the rebuild: transformers' GGUF loader turns a `gpt2`/`smollm` GGUF tokenizer into a
 SentencePiece-style (CodeLlama) pipeline over a byte-level vocabulary, which encodes every space
@@ -153,6 +153,16 @@ def write_tokenizer_files(gguf_path, out_dir, meta: dict | None = None) -> None:
         (out_dir / "chat_template.jinja").write_text(template)
 
 
+def gguf_eos_token_ids(meta: dict) -> list[int]:
+    """The ids that end a reply: `<|im_end|>` (ChatML) when the vocabulary has it, else the GGUF's
+    EOS; for the Qwen2 family also `<|endoftext|>`, as Qwen's own generation_config lists both."""
+    tokens = meta["tokens"]
+    ids = [tokens.index("<|im_end|>") if "<|im_end|>" in tokens else int(meta["eos_token_id"])]
+    if meta["pre"] == "qwen2" and "<|endoftext|>" in tokens and tokens.index("<|endoftext|>") not in ids:
+        ids.append(tokens.index("<|endoftext|>"))
+    return ids
+
+
 def convert_gguf_to_hf(gguf_path, out_dir) -> Path:
     """Dequantize a GGUF into an f32 HF checkpoint in out_dir and rebuild its tokenizer."""
     import torch
@@ -165,11 +175,12 @@ def convert_gguf_to_hf(gguf_path, out_dir) -> Path:
     _pre_tokenization(meta["pre"], gguf_path)  # an unsupported tokenizer fails before the weights load
     model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                  dtype=torch.float32)
-    eos_id = meta["tokens"].index("<|im_end|>") if "<|im_end|>" in meta["tokens"] else meta["eos_token_id"]
+    eos_ids = gguf_eos_token_ids(meta)
+    eos_id = eos_ids[0]
     model.config.eos_token_id = eos_id
     model.config.bos_token_id = meta["bos_token_id"]
     model.config.pad_token_id = eos_id
-    model.generation_config.eos_token_id = eos_id
+    model.generation_config.eos_token_id = eos_ids if len(eos_ids) > 1 else eos_id
     model.generation_config.bos_token_id = meta["bos_token_id"]
     model.generation_config.pad_token_id = eos_id
     model.save_pretrained(str(out_dir), safe_serialization=True)

@@ -140,6 +140,15 @@ def test_user_defined_gguf_tokens_are_not_special(tmp_path):
     assert added[str(tokens.index("<|im_end|>"))]["special"] is True
 
 
+def test_gguf_eos_ids_end_chatml_turns_and_qwens_endoftext(tmp_path):
+    from ovdflash_export.gguf_tokenizer import gguf_eos_token_ids, read_gguf_tokenizer_metadata
+
+    for pre, want in (("smollm", [2]), ("qwen2", [2, 0])):  # <|im_end|> = 2, <|endoftext|> = 0
+        path = tmp_path / f"{pre}.gguf"
+        write_tokenizer_gguf(path, pre=pre)
+        assert gguf_eos_token_ids(read_gguf_tokenizer_metadata(path)) == want
+
+
 def test_an_unknown_gguf_pre_tokenizer_is_a_one_line_error(tmp_path):
     from ovdflash_export.gguf_tokenizer import build_tokenizer_from_gguf, check_gguf_tokenizer
 
