@@ -124,6 +124,8 @@ def validate_pair(target, drafter, block_size: int | None = None) -> PairInfo:
         raise PairMismatchError(f"drafter was built for {dcfg.num_target_layers} target layers, target has {layers}")
     if not 0 <= dcfg.mask_token_id < vocab:
         raise PairMismatchError(f"mask_token_id {dcfg.mask_token_id} is outside the vocab (size {vocab})")
+    if dcfg.mask_token_id in (_source_eos_ids(target, tcfg) or ()):  # checked again once converted
+        raise PairMismatchError(f"mask_token_id {dcfg.mask_token_id} is an eos token of the target")
     bs = dcfg.block_size if block_size is None else int(block_size)
     if (Path(drafter) / DRAFT_VOCAB_FILE).is_file():  # optional: the target ids the drafter may propose
         draft_vocab = _read_draft_vocab(Path(drafter))
@@ -133,6 +135,22 @@ def validate_pair(target, drafter, block_size: int | None = None) -> PairInfo:
     if bs < 2:
         raise PairMismatchError(f"block size must be at least 2, got {bs}")
     return PairInfo(tcfg, dcfg, arch, vocab, hidden, layers)
+
+
+def _source_eos_ids(target: Path, tcfg: dict) -> list[int] | None:
+    """The EOS ids the export will write, where the source tells them before any conversion
+    (None: a GGUF whose tokenizer transformers converts, or a directory without tokenizer.json)."""
+    if target.suffix == ".gguf":
+        from .gguf_tokenizer import gguf_eos_token_ids, read_gguf_tokenizer_metadata
+        try:
+            return gguf_eos_token_ids(read_gguf_tokenizer_metadata(target))
+        except ValueError:
+            return None
+    if not (target / "tokenizer.json").is_file():
+        return None
+    tok_cfg_path = target / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
+    return _eos_bos(target, tcfg, tok_cfg, json.loads((target / "tokenizer.json").read_text()))[0]
 
 
 def _sha256_files(paths) -> str:

@@ -65,6 +65,19 @@ def test_cli_rejects_mismatched_pair(tiny_sources, tmp_path, case):
     assert not list(tmp_path.glob(".out.*"))  # no temp directory left behind
 
 
+def test_a_mask_token_that_ends_replies_is_refused_before_any_export(tiny_sources, tmp_path):
+    """validate_pair knows the target's EOS ids from its source, so this fails in the first step."""
+    from ovdflash_export.exporter import PairMismatchError, _source_eos_ids, validate_pair
+    from ovdflash_export.tiny import make_tiny_drafter
+
+    target, _ = tiny_sources()
+    eos = _source_eos_ids(target, json.loads((target / "config.json").read_text()))
+    assert eos, "the tiny target must have an EOS for this test to mean anything"
+    drafter = make_tiny_drafter(target, tmp_path / "bad", mask_token_id=eos[0])
+    with pytest.raises(PairMismatchError, match=f"mask_token_id {eos[0]} is an eos token"):
+        validate_pair(target, drafter)
+
+
 def test_cli_rejects_unknown_weight_format(tiny_sources, tmp_path):
     target, drafter = tiny_sources()
     result = _export("--target", target, "--drafter", drafter, "--out", tmp_path / "o", "--target-weight-format", "int3")
