@@ -148,9 +148,7 @@ def _source_eos_ids(target: Path, tcfg: dict) -> list[int] | None:
             return None
     if not (target / "tokenizer.json").is_file():
         return None
-    tok_cfg_path = target / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
-    return _eos_bos(target, tcfg, tok_cfg, json.loads((target / "tokenizer.json").read_text()))[0]
+    return _eos_bos(target, tcfg, _tokenizer_config(target), json.loads((target / "tokenizer.json").read_text()))[0]
 
 
 def _sha256_files(paths) -> str:
@@ -196,14 +194,18 @@ def _token_id(tokenizer_json: dict, token) -> int | None:
     return tokenizer_json.get("model", {}).get("vocab", {}).get(token)
 
 
+def _tokenizer_config(src: Path) -> dict:
+    path = src / "tokenizer_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def copy_tokenizer(src: Path, dst: Path) -> dict:
     """Copy tokenizer.json, tokenizer_config.json (with chat_template) and chat_template.jinja."""
     tok_json = src / "tokenizer.json"
     if not tok_json.is_file():
         raise ExportError(f"target has no tokenizer.json (a HF fast tokenizer is required): {src}")
     shutil.copyfile(tok_json, dst / "tokenizer.json")
-    tcfg_path = src / "tokenizer_config.json"
-    tok_cfg = json.loads(tcfg_path.read_text()) if tcfg_path.is_file() else {}
+    tok_cfg = _tokenizer_config(src)
     template = tok_cfg.get("chat_template")
     if (src / "chat_template.jinja").is_file():
         template = (src / "chat_template.jinja").read_text()

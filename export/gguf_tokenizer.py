@@ -136,8 +136,7 @@ def write_tokenizer_files(gguf_path, out_dir, meta: dict | None = None) -> None:
     tok.save(str(out_dir / "tokenizer.json"))
     tokens = meta["tokens"]
     template = meta["chat_template"]
-    # The chat format is ChatML: a turn ends with <|im_end|>, which is therefore the EOS.
-    eos = "<|im_end|>" if "<|im_end|>" in tokens else tokens[meta["eos_token_id"]]
+    eos = tokens[gguf_eos_token_ids(meta)[0]]  # ChatML: a turn ends with <|im_end|>
     added_decoder = {str(i): {"content": tokens[i], "lstrip": False, "normalized": False,
                               "rstrip": False, "single_word": False, "special": int(t) == _CONTROL}
                      for i, t in enumerate(meta["token_type"]) if int(t) in _SPECIAL_TOKEN_TYPES}
