@@ -27,8 +27,7 @@ from typing import Callable
 
 from .compress import WEIGHT_FORMATS
 
-MANIFEST_FORMAT = "ovdflash/1"
-DRAFT_VOCAB_FILE = "draft_vocab.json"  # optional in a drafter checkpoint; copied to DIR/drafter/
+from ovdflash.manifest import DRAFT_VOCAB_FILE, FORMAT, MANIFEST_FILE, parse_default_block_size
 
 
 def _read_draft_vocab(drafter_dir: Path):
@@ -256,8 +255,7 @@ def _eos_bos(target_dir: Path, tcfg: dict, tok_cfg: dict, tokenizer_json: dict):
 
 
 def check_default_block_size(value, block_size: int) -> int | str:
-    """The runtime's rule (`ovdflash.pipeline.parse_default_block_size`), as an ExportError."""
-    from ovdflash.pipeline import parse_default_block_size
+    """The runtime's rule (`ovdflash.manifest.parse_default_block_size`), as an ExportError."""
     try:
         return parse_default_block_size(value, block_size)
     except ValueError as exc:
@@ -275,7 +273,7 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
     for name, fmt in (("target", target_weight_format), ("drafter", drafter_weight_format)):
         if fmt not in WEIGHT_FORMATS:
             raise ExportError(f"{name} weight format must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "manifest.json").is_file():
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / MANIFEST_FILE).is_file():
         raise ExportError(f"output directory exists and is not an ovdflash export: {out_dir}")
 
     step("validating the pair")
@@ -335,7 +333,7 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
         if dcfg.mask_token_id in eos:
             raise PairMismatchError(f"mask_token_id {dcfg.mask_token_id} is an eos token of the target")
         manifest = {
-            "format": MANIFEST_FORMAT,
+            "format": FORMAT,
             "block_size": bs,
             "default_block_size": default_block_size,
             # drafters trained on short blocks too draft k + 1 tokens; others the whole block
@@ -360,7 +358,7 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
             "versions": _versions(),
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }
-        (work / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        (work / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
         shutil.rmtree(work / "_gguf_hf", ignore_errors=True)
 
         if out_dir.exists():
@@ -373,6 +371,3 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
     step("done")
     return out_dir
 
-
-def load_manifest(model_dir) -> dict:
-    return json.loads((Path(model_dir) / "manifest.json").read_text())

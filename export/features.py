@@ -3,7 +3,7 @@
 Contract:
 - `precompute_features(model_dir, data_dir, out_dir, max_len=768, ...)` runs the exported target of
   an ovdflash model directory (the runtime's default graph: paged attention, `target_hidden` +
-  `logits_indices`, compiled with the runtime's own settings, `pipeline.default_compile_config`)
+  `logits_indices`, compiled with the runtime's own settings, `precision.compile_config`)
   over every stored sequence of `data_dir` (truncated to `max_len`, as training truncates), and
   appends to `out_dir`:
     * `feats.f16`  [rows, F] float16: the concatenated target-layer features of every position;
@@ -146,21 +146,22 @@ def ties_in_id_order(ids: np.ndarray, logp: np.ndarray) -> tuple[np.ndarray, np.
 
 def _target_settings(model_dir: Path, config: dict | None) -> tuple[dict, dict]:
     """(compile settings: the runtime's for this model + config, manifest)."""
-    from ovdflash.pipeline import default_compile_config, load_manifest
+    from ovdflash.manifest import load_manifest
+    from ovdflash.precision import compile_config
 
     manifest = load_manifest(model_dir)
-    settings = default_compile_config(manifest)
-    settings.update(config or {})
+    settings, _ = compile_config(manifest, config, runner="paged")
     return settings, manifest
 
 
 def _compile_target(model_dir: Path, settings: dict, manifest: dict, k: int):
-    """The runtime's paged target graph (`ov_models.runtime_target_graph`, as compile_runners
+    """The runtime's paged target graph (`runners.runtime_target_graph`, as compile_runners
     builds it) with its next-token scores computed in the graph (add_next_token_scores), compiled
     with `settings`."""
     import openvino as ov
 
-    from ovdflash.ov_models import TARGET_XML, runtime_target_graph
+    from ovdflash.manifest import TARGET_XML
+    from ovdflash.runners import runtime_target_graph
 
     core = ov.Core()
     model = runtime_target_graph(core.read_model(model_dir / TARGET_XML), manifest, "paged")
@@ -194,7 +195,7 @@ class PrefixScorer:
     which ate the whole saving; paged attention runs such a suffix at 2.0-2.3 ms a token."""
 
     def __init__(self, compiled, width: int, max_len: int, share: bool = True):
-        from ovdflash.ov_models import OVPagedTarget
+        from ovdflash.runners import OVPagedTarget
 
         self.target = OVPagedTarget(compiled, max_len)
         self.width, self.share = width, share

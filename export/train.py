@@ -57,6 +57,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ovdflash.manifest import DRAFT_VOCAB_FILE
+
 from .data import Sequence, load_sequences
 from .drafter import CONFIG_NAME, SHORT_BLOCKS_KEY, VAL_SEED_KEY, DFlashDrafter, DrafterConfig, build_target_layer_ids, drafter_num_params
 from .prompts import root_prompt_id
@@ -621,7 +623,6 @@ def layer_scales(store: FeatureStore, seqs, idxs, n_feat: int, hidden: int, max_
     return torch.tensor([torch.cat(r).median().item() for r in rms])
 
 
-DRAFT_VOCAB_NAME = "draft_vocab.json"  # optional in a checkpoint; `ovdflash export` restricts the drafter's head to it
 
 
 def most_used_ids(responses, size: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
@@ -655,7 +656,7 @@ def save_folded(drafter: DFlashDrafter, inv_scale: torch.Tensor | None, out_dir,
         os.replace(tmp / name, Path(out_dir) / name)
     tmp.rmdir()
     if draft_vocab is not None:
-        (Path(out_dir) / DRAFT_VOCAB_NAME).write_text(json.dumps(sorted(int(i) for i in draft_vocab.tolist())))
+        (Path(out_dir) / DRAFT_VOCAB_FILE).write_text(json.dumps(sorted(int(i) for i in draft_vocab.tolist())))
 
 
 # ------------------------------------------------------------------ validation
@@ -861,7 +862,7 @@ def train(cfg: TrainConfig, log=print) -> Path:
     else:
         vocab_ids = None
         if cfg.vocab_subset:
-            init_vocab = Path(cfg.init_from or "") / DRAFT_VOCAB_NAME
+            init_vocab = Path(cfg.init_from or "") / DRAFT_VOCAB_FILE
             keep = (torch.tensor(json.loads(init_vocab.read_text())) if cfg.init_from and init_vocab.is_file()
                     else None)
             vocab_ids = ce_subset(seqs, train_idx, keep)
@@ -1038,7 +1039,7 @@ def evaluate_checkpoint(drafter_dir, target_dir, data_dirs, n_anchors: int = 10_
     res = evaluate(drafter, seqs, list(range(len(seqs))), store, target, cfg, None, None, None,
                    weights, device, n_anchors=n_anchors, block_len=block_len)
     out = {k.replace("val_", "eval_"): v for k, v in res.items()} | {"sequences": len(seqs)}
-    vocab_path = Path(drafter_dir) / DRAFT_VOCAB_NAME
+    vocab_path = Path(drafter_dir) / DRAFT_VOCAB_FILE
     if vocab_path.is_file():
         dv = torch.tensor(sorted(json.loads(vocab_path.read_text())), dtype=torch.long, device=device)
         res = evaluate(drafter, seqs, list(range(len(seqs))), store, target, cfg, None, None, None,

@@ -25,7 +25,7 @@ STAMP_NAME = "ovdflash_default.json"
 # 32.4/40.4/48.1 ms), 1-token steps as fast, and our AR +10 %, dflash@2-4 +16-21 % tokens/s, side
 # by side (`tools/profile_round.py --sections weights`, docs/BENCHMARKS.md session 7); it costs
 # ~250-350 MB more resident memory. bf16 *compute* is what hurts SmolLM2; the runtime compiles it
-# with an f32 inference hint, and an fp16 target without the compile cache (ov_models.FP16_UNCACHED).
+# with an f32 inference hint, and an fp16 target without the compile cache (runners.FP16_UNCACHED).
 # The drafter stays int8: it saved 23 MB of resident memory and accepted as many tokens as f32
 # (docs/BENCHMARKS.md, run-4 drafter).
 TARGET_WEIGHT_FORMAT = "fp16"

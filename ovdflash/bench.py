@@ -52,7 +52,9 @@ import click
 import numpy as np
 
 from . import TARGET_RUNNERS
-from .pipeline import DFlashPipeline, default_compile_config, default_model_dir, load_manifest
+from .manifest import load_manifest
+from .pipeline import DFlashPipeline, default_model_dir
+from .precision import compile_config
 from .stats import GenerationStats
 
 SPECULATIVE = ("dflash@", "dflash-nopl@", "oracle@")  # mode-name prefixes of our speculative modes (round counters)
@@ -296,7 +298,7 @@ def build_runners(model_dir: Path, modes: list[str], block_sizes: list[int | str
             except ImportError:
                 notes.append(f"{mode}: skipped, openvino_genai is not installed")
                 continue
-            full = {**default_compile_config(manifest), **config}
+            full, _ = compile_config(manifest, config)
             kind = {"genai-ar": "ar", "genai-dflash": "dflash", "genai-pl": "pl"}[mode]
             sizes = block_sizes if kind == "dflash" else [None]
             if "auto" in sizes:

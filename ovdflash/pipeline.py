@@ -2,8 +2,9 @@
 
 Contract:
 - `DFlashPipeline.from_pretrained(model_dir=None, device="CPU", draft=True, cache_dir=None,
-  **compile_options)` reads an exported directory (docs/DESIGN.md: manifest.json, target/,
-  drafter/, tokenizer files) and compiles both models with CACHE_DIR set. No directory = the
+  precision=None, **compile_options)` reads an exported directory (ovdflash.manifest) and
+  compiles both models with CACHE_DIR set. `precision` ("f32", the default, or "bf16") and the
+  compile options decide the numerics as `ovdflash.precision` says; `numerics` records them. No directory = the
   embedded default model (`ovdflash_models.default.ensure_default_model()`). `draft=False`
   compiles the target only (autoregressive baseline). `use_draft_vocab=False` ignores a
   shipped `drafter/draft_vocab.json` (full-vocabulary drafting head).
@@ -37,19 +38,19 @@ Contract:
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from . import DEFAULT_TARGET_RUNNER, TARGET_RUNNERS, engine
-from .lookup import NgramLookup
+from . import engine
 from .block_policy import BlockPolicy, measure_costs
+from .lookup import NgramLookup
+from .manifest import load_manifest, parse_target_runner
+from .precision import Numerics, compile_config
 from .sampling import SamplingParams
 from .stats import GenerationStats
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
-FORMAT = "ovdflash/1"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "ovdflash" / "ov_cache"
 CALIBRATION_PROMPT = "Explain in a few sentences how a CPU cache speeds up a program."
 # drafts per round that "auto" times on first use; longer blocks extend the cost curve linearly
@@ -67,47 +68,6 @@ class GenerationResult:
     stats: GenerationStats
 
 
-def load_manifest(model_dir: Path) -> dict:
-    path = model_dir / "manifest.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{model_dir} is not an ovdflash model directory (no manifest.json); "
-                                "create one with `ovdflash export`")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
-    return manifest
-
-
-def parse_default_block_size(value, block_size: int) -> int | str:
-    """A manifest's `default_block_size`: "auto", or an integer (or its digits) in 1..block_size."""
-    if value == "auto":
-        return value
-    text = str(value).strip()
-    if not text.isdigit() or not 1 <= int(text) <= block_size:
-        raise ValueError(f"default block size must be 'auto' or 1..{block_size} (the block size), got {value!r}")
-    return int(text)
-
-
-DRAFT_PASSES = ("full_block", "exact")
-
-
-def parse_draft_pass(value) -> str:
-    """A manifest's `draft_pass`: how many tokens a drafter pass runs when a round verifies k drafts.
-    "full_block": always the block the drafter was trained on, reading the first k drafts (a drafter
-    trained only on full blocks drafts the first slots of a shorter block worse); "exact": k + 1
-    (a drafter trained with `--short-blocks`, for which the shorter pass is as good and cheaper)."""
-    if value not in DRAFT_PASSES:
-        raise ValueError(f"draft_pass must be one of {', '.join(DRAFT_PASSES)}, got {value!r}")
-    return value
-
-
-def parse_target_runner(value) -> str:
-    """How the target's attention runs: one of `ovdflash.TARGET_RUNNERS` (see there)."""
-    if value not in TARGET_RUNNERS:
-        raise ValueError(f"target_runner must be one of {', '.join(TARGET_RUNNERS)}, got {value!r}")
-    return value
-
-
 def default_model_dir() -> Path:
     try:
         from ovdflash_models.default import ensure_default_model
@@ -115,25 +75,6 @@ def default_model_dir() -> Path:
         raise RuntimeError("no model directory given and the embedded default model is not available "
                            f"({exc}); pass a directory made by `ovdflash export`") from exc
     return Path(ensure_default_model())
-
-
-def default_compile_config(manifest: dict) -> dict:
-    """The plugin's defaults, plus the manifest's optional `compile_options`, with three changes.
-    For every model an f32 KV cache: a verify row attends to its own block's K/V fresh from the
-    forward, while an AR step reads them back from the cache, so a rounded cache makes greedy
-    DFlash drift from AR at near-ties. With the plugin's u8 cache that was 4 of 10 SmolLM2
-    prompts; with f16, 2 of 6 Qwen2.5-Coder-0.5B runs (SmolLM2 0 of 18); with f32, none (0 of
-    18 SmolLM2, 0 of 6 Qwen runs), at the same AR and DFlash speed here (docs/BENCHMARKS.md,
-    session 19). For SmolLM2 also f32 inference (bf16 hurts its answers). For every model, CPU
-    pinning off: on a 2-core VM shared with other jobs, 2 pinned threads gave SmolLM2 AR 20.1
-    tok/s and a K=8 verify 110 ms, unpinned 25.9 tok/s and 66 ms (docs/BENCHMARKS.md, Knobs); a
-    quiet many-core machine is not measured yet."""
-    config = dict(manifest.get("compile_options", {}))
-    config.setdefault("ENABLE_CPU_PINNING", False)
-    config.setdefault("KV_CACHE_PRECISION", "f32")
-    if "smollm2" in str(manifest.get("target", {}).get("source", "")).lower():
-        config.setdefault("INFERENCE_PRECISION_HINT", "f32")
-    return config
 
 
 class DFlashPipeline:
@@ -154,42 +95,32 @@ class DFlashPipeline:
         self.last_stats = GenerationStats()  # latest call
         self.block_policy: BlockPolicy | None = None  # for block_size="auto"; built on first use
         self.prompt_lookup = prompt_lookup  # n-gram lookup drafts beside the drafter's (ovdflash.lookup)
+        self.numerics: Numerics | None = None  # the target's precisions, when built by from_pretrained
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path | None = None, device: str = "CPU", draft: bool = True,
                         cache_dir: str | Path | None = None, use_draft_vocab: bool = True,
                         target_runner: str | None = None, prompt_lookup: bool = True,
-                        **compile_options) -> "DFlashPipeline":
-        from .ov_models import compile_runners  # openvino is only needed from here on
+                        precision: str | None = None, **compile_options) -> "DFlashPipeline":
+        from .runners import compile_runners  # openvino is only needed from here on
 
         if isinstance(model_dir, str) and not model_dir.strip():  # Path("") would quietly mean "."
             raise ValueError("model_dir is empty: give an ovdflash model directory, or None for the embedded default")
         model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
         manifest = load_manifest(model_dir)
-        try:
-            manifest["draft_pass"] = parse_draft_pass(manifest.get("draft_pass", "full_block"))
-        except ValueError as exc:
-            raise ValueError(f"{model_dir / 'manifest.json'}: {exc}") from None
-        if target_runner is None:  # the caller's choice, else the model directory's, else the default
-            try:
-                target_runner = parse_target_runner(manifest.get("target_runner", DEFAULT_TARGET_RUNNER))
-            except ValueError as exc:
-                raise ValueError(f"{model_dir / 'manifest.json'}: {exc}") from None
-        config = default_compile_config(manifest)
-        config.update(compile_options)
+        # the caller's runner, else the model directory's (load_manifest fills in the default)
+        target_runner = parse_target_runner(target_runner or manifest["target_runner"])
+        config, numerics = compile_config(manifest, compile_options, precision, target_runner)
         config.setdefault("CACHE_DIR", str(cache_dir or DEFAULT_CACHE_DIR))
         target, drafter = compile_runners(model_dir, manifest, device, config, with_drafter=draft,
                                           use_draft_vocab=use_draft_vocab,
                                           target_runner=target_runner)
         tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
-        block_size = int(manifest["block_size"])
-        try:
-            default_block_size = parse_default_block_size(manifest.get("default_block_size", "auto"), block_size)
-        except ValueError as exc:
-            raise ValueError(f"{model_dir / 'manifest.json'}: {exc}") from None
-        return cls(target, drafter, tokenizer, manifest.get("eos_token_ids", []), block_size,
-                   manifest.get("mask_token_id"), model_dir, manifest.get("bos_token_id"), default_block_size,
-                   prompt_lookup)
+        pipe = cls(target, drafter, tokenizer, manifest["eos_token_ids"], manifest["block_size"],
+                   manifest["mask_token_id"], model_dir, manifest.get("bos_token_id"),
+                   manifest["default_block_size"], prompt_lookup)
+        pipe.numerics = numerics
+        return pipe
 
     # -- token level ---------------------------------------------------------------------------
     def generate_tokens(self, prompt_ids: Sequence[int], max_new_tokens: int = 256, temperature: float = 0.0,

@@ -11,9 +11,8 @@ differ: with a u8 KV cache, a verify block's tokens attend to each other's fresh
 K/V, while autoregressive steps read them back quantized from the cache, so rows 1..B-1 of a
 verify differ slightly from the AR steps (measured up to ~0.5 logits on SmolLM2 int8) and a
 near-tie argmax can flip. f16 KV makes it rarer (it still flipped 2 of 6 Qwen2.5-Coder-0.5B runs),
-f32 KV removes it, which is why every target gets an f32 KV cache by default
-(`pipeline.default_compile_config`). (This host's CPU has no bf16, so a bf16 hint silently
-compiles as f32 here.)
+f32 KV removes it, which is why every target gets f32 inference and an f32 KV cache by default
+(`precision.compile_config`); a bf16 hint runs as f32 on a CPU without BF16.
 """
 import numpy as np
 import openvino as ov
@@ -158,12 +157,12 @@ def test_default_precision_divergence_report(tiny_pair, tmp_path_factory, config
 
 
 def test_every_target_gets_an_f32_kv_cache_unless_told(tiny_pair, tmp_path_factory):
-    """pipeline.default_compile_config: f32 KV for any model (a rounded cache lets DFlash drift
+    """precision.compile_config: f32 KV for any model (a rounded cache lets DFlash drift
     from AR); the manifest's compile_options and the caller's settings win over it."""
-    from ovdflash.pipeline import default_compile_config
+    from ovdflash.precision import compile_config
 
-    assert default_compile_config({"target": {"source": "/x/qwen.gguf"}})["KV_CACHE_PRECISION"] == "f32"
-    assert default_compile_config({"compile_options": {"KV_CACHE_PRECISION": "u8"}})["KV_CACHE_PRECISION"] == "u8"
+    assert compile_config({"target": {"source": "/x/qwen.gguf"}})[0]["KV_CACHE_PRECISION"] == "f32"
+    assert compile_config({"compile_options": {"KV_CACHE_PRECISION": "u8"}})[0]["KV_CACHE_PRECISION"] == "u8"
     cache = tmp_path_factory.mktemp("ov_cache_kv")
     for runner in ("paged", "stateful"):
         pipe = DFlashPipeline.from_pretrained(tiny_pair, cache_dir=cache, target_runner=runner)
@@ -175,7 +174,7 @@ def test_every_target_gets_an_f32_kv_cache_unless_told(tiny_pair, tmp_path_facto
 
 
 def test_drafter_compiles_without_dynamic_quantization_unless_told(tiny_pair, tmp_path_factory):
-    """ov_models.DRAFTER_DEFAULTS: the drafter alone drops dynamic quantization (cheaper for its
+    """runners.DRAFTER_DEFAULTS: the drafter alone drops dynamic quantization (cheaper for its
     few rows per call); the target keeps the plugin's choice; a user's setting wins for both."""
     cache = tmp_path_factory.mktemp("ov_cache_dq")
     key = "DYNAMIC_QUANTIZATION_GROUP_SIZE"
@@ -188,7 +187,7 @@ def test_drafter_compiles_without_dynamic_quantization_unless_told(tiny_pair, tm
 
 
 def test_fp16_target_compiles_without_the_compile_cache(export_tiny_pair, tmp_path_factory):
-    """ov_models.FP16_UNCACHED: an fp16 target is compiled fresh (its cached import is slow on the
+    """runners.FP16_UNCACHED: an fp16 target is compiled fresh (its cached import is slow on the
     CPU plugin), its drafter still goes through CACHE_DIR; an fp32 target is cached as before."""
     for fmt, expected_blobs in (("fp16", 1), ("fp32", 2)):
         cache = tmp_path_factory.mktemp(f"ov_cache_{fmt}")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ovdflash import STRICT_F32, DFlashPipeline
-from ovdflash.ov_models import OVPagedTarget
+from ovdflash.runners import OVPagedTarget
 
 
 def load(pair, tmp_path, runner="paged"):

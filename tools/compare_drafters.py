@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ovdflash.pipeline import DFlashPipeline, load_manifest
+from ovdflash.manifest import load_manifest
+from ovdflash.pipeline import DFlashPipeline
 
 
 def time_drafter(drafter, features: np.ndarray, new_features: np.ndarray, num_drafts: int, calls: int) -> float:

@@ -20,7 +20,7 @@ reported, because the machine is shared and noisy):
   knobs   - our AR tok/s and the K=8 verify for INFERENCE_NUM_THREADS 1/2 (2 also without
             CPU pinning) and KV_CACHE_PRECISION u8/f16/f32 (one compile each).
   loop    - our AR tok/s with each inference as infer() against start_async()+wait()
-            (ov_models.run_request), and openvino.genai's AR, interleaved.
+            (runners.run_request), and openvino.genai's AR, interleaved.
   policy  - the automatic block size: its measured round costs (ms per k drafts, k = 0 is an
             AR step), its switch cost, and the k it picks for a drafter with conditional
             acceptance 0.1 .. 0.9.
@@ -51,13 +51,15 @@ from compare_drafters import time_drafter  # noqa: E402  (tools/, next to this f
 from ovdflash import TARGET_RUNNERS  # noqa: E402
 from ovdflash.bench import CpuMeter, GenaiRunner, OursRunner, load_prompts  # noqa: E402
 from ovdflash.block_policy import BlockPolicy  # noqa: E402
-from ovdflash.pipeline import DFlashPipeline, default_compile_config, load_manifest  # noqa: E402
+from ovdflash.manifest import load_manifest  # noqa: E402
+from ovdflash.pipeline import DFlashPipeline  # noqa: E402
+from ovdflash.precision import compile_config  # noqa: E402
 from ovdflash.stats import GenerationStats  # noqa: E402
 
 
 class TimedRequest:
     """Wraps an InferRequest; accumulates the wall time of inferences (infer(), or start_async()
-    to wait() as ov_models.run_request does)."""
+    to wait() as runners.run_request does)."""
 
     def __init__(self, request):
         self._request, self.seconds, self.calls = request, 0.0, 0
@@ -242,12 +244,12 @@ def ar_compare(pipe, genai, prompts, tokens, reps, meter):
 
 def loop_compare(pipe, model_dir, manifest, config, prompts, tokens, reps, meter):
     """AR tok/s: inferences via infer() vs start_async()+wait() (the runtime's), and genai-ar."""
-    import ovdflash.ov_models as ov_models
+    import ovdflash.runners as runners
 
     def infer_run(request, inputs):
         request.infer(inputs, share_inputs=True, share_outputs=True)
 
-    async_run, ours = ov_models.run_request, OursRunner(pipe, None)
+    async_run, ours = runners.run_request, OursRunner(pipe, None)
     try:
         genai = GenaiRunner(model_dir, manifest, config, pipe.eos_token_ids, "ar")
     except Exception as exc:  # genai missing: compare ours alone
@@ -259,13 +261,13 @@ def loop_compare(pipe, model_dir, manifest, config, prompts, tokens, reps, meter
         for rep in range(reps):
             for ids in prompts:
                 for kind in rotated(kinds, rep):
-                    ov_models.run_request = infer_run if kind == "infer" else async_run
+                    runners.run_request = infer_run if kind == "infer" else async_run
                     started = meter.start()
                     toks, wall, _, _ = (genai if kind == "genai-ar" else ours)(ids, tokens)
                     busy.append(meter.foreign_cores(started))
                     rates[kind].append(len(toks) / wall)
     finally:
-        ov_models.run_request = async_run
+        runners.run_request = async_run
     tps = {k: med(v) for k, v in rates.items()}
     return {"tokens_per_s": tps, "ratio_to_infer": {k: round(v / tps["infer"], 3) for k, v in tps.items()},
             "foreign_cores": med(busy)}
@@ -284,7 +286,7 @@ def main():
     sections = args.sections.split(",")
     manifest = load_manifest(args.model_dir)
     extra = json.loads(args.config)
-    base = {**default_compile_config(manifest), **extra}
+    base, _ = compile_config(manifest, extra)
     meter = CpuMeter()
     result = {"model_dir": str(args.model_dir), "config": base, "sections": {}}
     started = meter.start()

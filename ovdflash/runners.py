@@ -35,8 +35,8 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-from . import DEFAULT_TARGET_RUNNER, graphs
-from .pipeline import parse_target_runner
+from . import graphs
+from .manifest import DEFAULT_TARGET_RUNNER, DRAFT_VOCAB, DRAFTER_XML, TARGET_XML, parse_target_runner
 
 # Drafter-only compile defaults. No dynamic quantization: the drafter's FullyConnected layers see
 # 1-8 rows a call, where quantizing the activations costs more than it saves (SmolLM2's int8
@@ -49,10 +49,6 @@ DRAFTER_DEFAULTS = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
 # a 1-token step 45 against 28 ms, a 4-token verify 55 against 43 ms, and 950 against 720 MB
 # resident; CACHE_MODE=OPTIMIZE_SIZE the same). int8 and fp32 targets keep the cache (same speed).
 FP16_UNCACHED = "fp16"
-
-TARGET_XML = "target/openvino_model.xml"
-DRAFTER_XML = "drafter/openvino_model.xml"
-DRAFT_VOCAB = "drafter/draft_vocab.json"
 
 
 def kv_seq_axes(model: ov.Model) -> dict[str, int]:
