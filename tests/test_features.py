@@ -67,9 +67,11 @@ def test_resume_appends_only_new_sequences_and_cuts_a_torn_tail(pair_and_data, t
     assert [r["row"] for r in rows] == sorted(r["row"] for r in rows)
     with pytest.raises(ValueError, match="max_len"):
         precompute_features(model_dir, data, out, max_len=32, config=STRICT_F32, log=lambda s: None)
+    meta = json.loads((out / "meta.json").read_text())  # as if made under bf16 (not offered by every CPU)
+    meta["compile"]["INFERENCE_PRECISION_HINT"] = "bf16"
+    (out / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="inference precision"):  # one directory, one precision
-        precompute_features(model_dir, data, out, config={**STRICT_F32, "INFERENCE_PRECISION_HINT": "bf16"},
-                            log=lambda s: None)
+        precompute_features(model_dir, data, out, config=STRICT_F32, log=lambda s: None)
 
 
 def test_precomputed_store_falls_back_for_unknown_sequences(pair_and_data, tmp_path):
