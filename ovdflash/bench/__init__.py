@@ -51,11 +51,11 @@ from pathlib import Path
 import click
 import numpy as np
 
-from . import TARGET_RUNNERS
-from .manifest import load_manifest
-from .pipeline import DFlashPipeline, default_model_dir
-from .precision import compile_config
-from .stats import GenerationStats
+from .. import TARGET_RUNNERS
+from ..manifest import load_manifest
+from ..pipeline import DFlashPipeline, default_model_dir
+from ..precision import compile_config
+from ..stats import GenerationStats
 
 SPECULATIVE = ("dflash@", "dflash-nopl@", "oracle@")  # mode-name prefixes of our speculative modes (round counters)
 
