@@ -262,12 +262,25 @@ def check_default_block_size(value, block_size: int) -> int | str:
         raise ExportError(str(exc)) from None
 
 
+def check_compile_options(options: dict | None) -> dict:
+    """Compile options for the manifest: string keys and values; a precision hint the runtime knows."""
+    from ovdflash.precision import resolve
+
+    options = {str(k): str(v) for k, v in (options or {}).items()}
+    try:  # the precision pair must be one the runtime can compile on some CPU
+        resolve(options, None, "stateful", ("f32", "bf16", "f16"))
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
+    return options
+
+
 def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", drafter_weight_format: str = "fp32",
                 block_size: int | None = None, progress: Callable[[str], None] | None = None,
-                default_block_size: int | str = "auto") -> Path:
+                default_block_size: int | str = "auto", compile_options: dict | None = None) -> Path:
     """Validate, convert, compress and write the model directory; returns out_dir.
     `default_block_size` ("auto" or 1..block size) goes to the manifest: the block size the
-    runtime uses when a call names none."""
+    runtime uses when a call names none. `compile_options` (OpenVINO properties, e.g. a model's
+    INFERENCE_PRECISION_HINT) go to the manifest's `compile_options`, applied at every load."""
     target, drafter, out_dir = Path(target), Path(drafter), Path(out_dir)
     step = progress or (lambda msg: None)
     for name, fmt in (("target", target_weight_format), ("drafter", drafter_weight_format)):
@@ -281,6 +294,7 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
     dcfg = info.drafter_config
     bs = dcfg.block_size if block_size is None else int(block_size)
     default_block_size = check_default_block_size(default_block_size, bs)
+    compile_options = check_compile_options(compile_options)
     draft_vocab = _read_draft_vocab(drafter) if (drafter / DRAFT_VOCAB_FILE).is_file() else None
 
     import openvino as ov
@@ -355,6 +369,7 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
                 "source_sha256": source_sha256(drafter),
             },
             "draft_vocab_size": None if draft_vocab is None else len(draft_vocab),
+            **({"compile_options": compile_options} if compile_options else {}),
             "versions": _versions(),
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }

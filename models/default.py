@@ -41,9 +41,12 @@ DRAFTER_WEIGHT_FORMAT = "int8"
 # (1.41-1.49 / 1.69-1.78 / 1.02-1.11x here) measures the host's costs; it stays opt-in. Session 14
 # (Zen 5): 1-4 tokens verify in 12.0-13.5 ms, 5 in 19.1; block 4 made 1.6-1.7x block 8 on every set.
 DEFAULT_BLOCK_SIZE = 4
+# recorded in the manifest: bf16 compute degrades SmolLM2's answers, so it runs f32 on every CPU
+COMPILE_OPTIONS = {"INFERENCE_PRECISION_HINT": "f32"}
 # part of the export's fingerprint: bump it when the exported graphs change (2: GQA attention
 # without the K/V broadcast), so a cached default model is exported again
-EXPORT_RECIPE = f"target={TARGET_WEIGHT_FORMAT};drafter={DRAFTER_WEIGHT_FORMAT};graphs=2;block={DEFAULT_BLOCK_SIZE}"
+EXPORT_RECIPE = (f"target={TARGET_WEIGHT_FORMAT};drafter={DRAFTER_WEIGHT_FORMAT};graphs=2;block={DEFAULT_BLOCK_SIZE};"
+                 f"compile={json.dumps(COMPILE_OPTIONS, sort_keys=True)}")
 
 
 def drafter_fingerprint(drafter_dir: Path | None = None) -> str:
@@ -91,6 +94,7 @@ def ensure_default_model(cache_dir=None, progress: bool = True) -> Path:
             console.status("exporting SmolLM2-135M-Instruct + DFlash drafter to OpenVINO") as status:
         export_pair(hf_dir, SHIPPED_DRAFTER, tmp, target_weight_format=TARGET_WEIGHT_FORMAT,
                     drafter_weight_format=DRAFTER_WEIGHT_FORMAT, default_block_size=DEFAULT_BLOCK_SIZE,
+                    compile_options=COMPILE_OPTIONS,
                     progress=lambda msg: status.update(f"export: {msg}"))
         (tmp / STAMP_NAME).write_text(json.dumps({"drafter_sha256": fingerprint, "target": str(hf_dir)}, indent=1))
     console.print(f"[green]default model ready:[/green] {out}")

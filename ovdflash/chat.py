@@ -14,16 +14,18 @@ from pathlib import Path
 import click
 
 from . import TARGET_RUNNERS
+from .precision import PRECISIONS
 
 HELP = "commands: /reset  /stats  /quit   (Ctrl-C stops a reply, Ctrl-D quits)"
 
 
-def _parse_config(items) -> dict:
+def parse_config_options(items, option: str = "--config") -> dict:
+    """`KEY=VALUE` strings (a repeatable CLI option) as a dict of OpenVINO properties."""
     config = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep:
-            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--config")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint=option)
         config[key.strip()] = value.strip()
     return config
 
@@ -80,8 +82,11 @@ def _sigint_to_main_thread_only():
 @click.option("--target-runner", type=click.Choice(TARGET_RUNNERS), default=None,
               help="How the target's attention runs: paged (openvino's paged attention; the default) or stateful "
                    "(the exported IR's KV states). Default: the model directory's choice.")
+@click.option("--precision", type=click.Choice(PRECISIONS), default=None,
+              help="Target numerics: f32 (the default; greedy DFlash equals AR) or bf16 (faster verifies on CPUs "
+                   "with BF16/AMX; greedy replies can part from AR at near-ties: docs/BENCHMARKS.md).")
 def chat(model_dir, prompt, system, temperature, top_p, top_k, max_new_tokens, block_size, no_draft, prompt_lookup,
-         seed, device, cache_dir, config, target_runner):
+         seed, device, cache_dir, config, target_runner, precision):
     """Chat with MODEL_DIR (default: SmolLM2-135M + shipped drafter)."""
     from .pipeline import DFlashPipeline
     from .sampling import SamplingParams
@@ -92,7 +97,7 @@ def chat(model_dir, prompt, system, temperature, top_p, top_k, max_new_tokens, b
         with _sigint_to_main_thread_only():
             pipe = DFlashPipeline.from_pretrained(model_dir, device=device, draft=not no_draft,
                                                   cache_dir=cache_dir, target_runner=target_runner,
-                                                  prompt_lookup=prompt_lookup, **_parse_config(config))
+                                                  prompt_lookup=prompt_lookup, precision=precision, **parse_config_options(config))
             pipe.warm_up(block_size=block_size)  # with "auto" this measures its costs
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from exc

@@ -28,8 +28,15 @@ WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
 @click.option("--default-block-size", default="auto", show_default=True, metavar="N|auto",
               help="Block size the runtime uses when none is asked for (written to the manifest): "
                    "'auto' picks per round from measured costs; 1..--block-size fixes it.")
-def export(target, drafter, out, target_weight_format, drafter_weight_format, block_size, default_block_size):
+@click.option("--compile-option", "-c", "compile_options", multiple=True, metavar="KEY=VALUE",
+              help="OpenVINO compile property the runtime applies to this model (written to the manifest), "
+                   "e.g. -c INFERENCE_PRECISION_HINT=f32 for a model whose answers bf16 degrades (repeatable).")
+def export(target, drafter, out, target_weight_format, drafter_weight_format, block_size, default_block_size,
+           compile_options):
     """Export a target LLM and its DFlash drafter to OpenVINO IR."""
+    from .chat import parse_config_options
+
+    compile_options = parse_config_options(compile_options, "--compile-option")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub during an export
     from rich.console import Console
 
@@ -51,7 +58,8 @@ def export(target, drafter, out, target_weight_format, drafter_weight_format, bl
 
             path = export_pair(target, drafter, out, target_weight_format=target_weight_format,
                                drafter_weight_format=drafter_weight_format, block_size=block_size,
-                               progress=step, default_block_size=default_block_size)
+                               progress=step, default_block_size=default_block_size,
+                               compile_options=compile_options)
     except ExportError as exc:
         click.echo(f"Error: {exc}", err=True)
         sys.exit(2)

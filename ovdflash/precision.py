@@ -10,9 +10,10 @@ Contract:
   measured per model in docs/BENCHMARKS.md). On a CPU without BF16 it runs as "f32".
 - `host_precisions(core)`: the inference precisions this CPU offers ("f32" always; "bf16",
   "f16" where OPTIMIZATION_CAPABILITIES lists them).
-- `resolve(options, precision, runner, offered)` -> (compile options, Numerics). Precedence:
-  an explicit INFERENCE_PRECISION_HINT / KV_CACHE_PRECISION in `options` (the caller's `-c`, or
-  the manifest's recorded compile options) > `precision` > "f32". A precision the host does not
+- `compile_config(manifest, overrides, precision, runner)` -> (compile options, Numerics), through
+  `resolve(options, precision, runner, offered)`. Precedence: the caller's explicit
+  INFERENCE_PRECISION_HINT / KV_CACHE_PRECISION (`-c`) > the caller's `precision` > the pair the
+  manifest recorded at export (`ovdflash export -c`) > "f32". A precision the host does not
   offer runs as f32. The KV cache follows the effective inference precision unless given:
   the paged runner's attention accepts an f32 cache only with f32 inference and a bf16 cache
   only with bf16 inference (checked here, one line, before the plugin fails deep inside).
@@ -86,11 +87,14 @@ def resolve(options: dict, precision: str | None, runner: str, offered: tuple[st
 def compile_config(manifest: dict, overrides: dict | None = None, precision: str | None = None,
                    runner: str = "paged", offered: tuple[str, ...] | None = None) -> tuple[dict, Numerics]:
     """The runtime's compile options for a model: the manifest's recorded options, then the
-    caller's `overrides`, CPU pinning off unless set (on a small VM shared with other jobs pinned
+    caller's `precision` and `overrides`, CPU pinning off unless set (on a small VM shared with other jobs pinned
     threads ran slower: docs/BENCHMARKS.md, Knobs), and the precision pair (`resolve`)."""
     from .manifest import manifest_compile_options
 
     config = manifest_compile_options(manifest)
+    if precision is not None:  # the caller's precision outranks the pair recorded at export
+        config.pop("INFERENCE_PRECISION_HINT", None)
+        config.pop("KV_CACHE_PRECISION", None)
     config.update(overrides or {})
     config.setdefault("ENABLE_CPU_PINNING", False)
     return resolve(config, precision, runner, host_precisions() if offered is None else offered)

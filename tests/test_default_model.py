@@ -38,6 +38,7 @@ def test_exports_once_then_reuses(fake_world):
     assert calls[0][0] == root / "hf" and calls[0][1] == drafter
     assert calls[0][2]["target_weight_format"] == default_mod.TARGET_WEIGHT_FORMAT
     assert calls[0][2]["default_block_size"] == default_mod.DEFAULT_BLOCK_SIZE == 4
+    assert calls[0][2]["compile_options"] == {"INFERENCE_PRECISION_HINT": "f32"}  # SmolLM2 runs f32 everywhere
     assert default_mod.ensure_default_model(root / "cache", progress=False) == out
     assert len(calls) == 1
 
