@@ -1,6 +1,6 @@
 """The DFlash drafter as a PyTorch module, in the z-lab checkpoint format.
 
-Contract (docs/DESIGN.md, research note dflash.md §1-2):
+Contract (docs/DESIGN.md; the DFlash paper, arXiv 2602.06036, and z-lab's checkpoint format):
 
 * Checkpoint directory: ``config.json`` (``architectures: ["DFlashDraftModel"]``,
   ``model_type: "qwen3"``, Qwen3 geometry, top-level ``block_size`` and

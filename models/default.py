@@ -20,26 +20,15 @@ from .fetch import building_dir, cache_root, fetch_smollm2
 SHIPPED_DRAFTER = Path(__file__).resolve().parent / "smollm2_dflash"
 EXPORT_DIRNAME = "smollm2-135m-dflash-ov"
 STAMP_NAME = "ovdflash_default.json"
-# Target fp16 weights: on the 2-core AVX2 machine the CPU plugin runs the 2-4-token verify
-# forwards of an fp16 target 10-17 % faster than int8's (T=2/3/4: 29.0/33.9/40.0 against
-# 32.4/40.4/48.1 ms), 1-token steps as fast, and our AR +10 %, dflash@2-4 +16-21 % tokens/s, side
-# by side (`tools/profile_round.py --sections weights`, docs/BENCHMARKS.md session 7); it costs
-# ~250-350 MB more resident memory. bf16 *compute* is what hurts SmolLM2; the runtime compiles it
-# with an f32 inference hint, and an fp16 target without the compile cache (runners.FP16_UNCACHED).
-# The drafter stays int8: it saved 23 MB of resident memory and accepted as many tokens as f32
-# (docs/BENCHMARKS.md, run-4 drafter).
+# Target fp16 weights: the CPU plugin verifies 2-4 tokens faster than with int8 weights and steps
+# one as fast, for more resident memory (docs/BENCHMARKS.md, Compile settings); an fp16 target is
+# compiled without the compile cache (runners.FP16_UNCACHED). The drafter stays int8: less memory,
+# the same acceptance as f32.
 TARGET_WEIGHT_FORMAT = "fp16"
 DRAFTER_WEIGHT_FORMAT = "int8"
 # The block size a call gets when it names none (the manifest's default_block_size): 4, three
-# drafts a round. On the session-11 host (2 vCPU Zen 4, AVX-512; docs/BENCHMARKS.md session 11)
-# the paged target verifies 4 tokens as fast as 2 (19-21 against 19-23 ms), and in two
-# interleaved runs block 4 made 1.32-1.46x (code), 1.47-1.57x (math) and 1.12-1.16x (chat) the
-# best AR, ahead of block 2 in all six set-runs (1.09-1.18 / 1.11-1.26 / 0.93-1.02x), and in a
-# third run beside data generation (1.61 / 1.60 / 1.22x against 1.22 / 1.27 / 1.07x). On the
-# sessions 7-10 host (Zen 3, AVX2) block 2 was the best fixed choice (10 of 12 set-runs against
-# blocks 3-4 and "auto"): there a 4-token verify cost ~40 % more than a 2-token one. "auto"
-# (1.41-1.49 / 1.69-1.78 / 1.02-1.11x here) measures the host's costs; it stays opt-in. Session 14
-# (Zen 5): 1-4 tokens verify in 12.0-13.5 ms, 5 in 19.1; block 4 made 1.6-1.7x block 8 on every set.
+# drafts a round, the widest verify that costs about one AR step on every CPU measured (a fifth
+# token costs a step more: docs/BENCHMARKS.md, Verify cost). "auto" stays opt-in.
 DEFAULT_BLOCK_SIZE = 4
 # recorded in the manifest: bf16 compute degrades SmolLM2's answers, so it runs f32 on every CPU
 COMPILE_OPTIONS = {"INFERENCE_PRECISION_HINT": "f32"}

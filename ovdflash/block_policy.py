@@ -229,10 +229,9 @@ def measure_costs(target, drafter, prompt_ids: Sequence[int], max_drafts: int,
     step = nondecreasing([statistics.median(s) for s in steps])
     draft = [0.0] + nondecreasing([statistics.median(d) for d in drafts[1:]])
     switch = max(statistics.median(switch_excess), 0.0) if switch_excess else 0.0
-    # Verifying one more token never costs nothing, but with paged attention 2-4 tokens cost about
-    # the same here (session 11: k = 1..3 pooled flat on a busy machine), and a flat extension
-    # made k = 7 look as cheap as k = 1, so "auto" opened every sequence with 8-token blocks. The
-    # extension's slope is at least the mean cost of a verified token over the measured range.
+    # Verifying one more token never costs nothing, but with paged attention 2-4 tokens can cost
+    # the same, and a flat extension made k = 7 look as cheap as k = 1 ("auto" then opened every
+    # sequence with 8-token blocks). The slope is at least the measured mean cost of a verified token.
     verify_slope = (step[-1] - step[0]) / (len(step) - 1)  # measured >= 1: two points at least
     return extend_linearly(step, max_drafts, verify_slope), extend_linearly(draft, max_drafts), switch
 

@@ -142,10 +142,8 @@ def _slice_rows(weight: ov.Output, rows: np.ndarray, axis: int) -> ov.Output:
         return ops.constant(np.ascontiguousarray(np.take(data, rows, axis=axis)), node.get_element_type()).output(0)
     if kind == "Convert":
         # The new Convert lacks the source's weight-decompression mark (rt_info "decompression_0"),
-        # so the CPU plugin folds an fp16 head slice to f32. Kept so on purpose: with the mark the
-        # head ran on fp16 weights and a draft call was faster alone (2.05 against 2.23 ms) but
-        # slower inside generation, right after a verify (2.50 against 2.10 ms a round, 91 against
-        # 96 tok/s; Zen 5, no avx512_fp16; docs/BENCHMARKS.md, session 15).
+        # so the CPU plugin folds an fp16 head slice to f32. Kept so on purpose: with the mark a
+        # draft call is faster alone but slower inside generation (docs/BENCHMARKS.md, Compile settings).
         return ops.convert(_slice_rows(node.input_value(0), rows, axis), node.get_element_type()).output(0)
     if kind in ("Subtract", "Multiply"):
         args = []

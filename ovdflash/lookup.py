@@ -13,7 +13,7 @@ Contract:
 Why: a DFlash drafter sees the target's features but has one layer; code and chat answers
 repeat names, signatures and phrases of the prompt and of themselves, which a lookup copies
 exactly. On the shipped SmolLM2 pair, replaying the target's greedy answers to the held-out
-bench prompts (docs/BENCHMARKS.md, session 16), rounds that take a lookup proposal when one exists
+bench prompts (replayed: docs/log/2026-11-benchmarks.md, 2026-12-03), rounds that take a lookup proposal when one exists
 and the drafter's otherwise keep 2.54 / 2.22 / 1.77 tokens (code / math / chat) at block 4,
 against the drafter's 2.03 / 2.02 / 1.47, and lookup rounds skip the drafter's call.
 """

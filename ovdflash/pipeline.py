@@ -55,8 +55,8 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "ovdflash" / "ov_cache"
 CALIBRATION_PROMPT = "Explain in a few sentences how a CPU cache speeds up a program."
 # drafts per round that "auto" times on first use; longer blocks extend the cost curve linearly
 # (block_policy.measure_costs: each shape run costs resident memory). 4 drafts: a 5-token verify,
-# because on Zen 4 (session 13) 1-4 tokens cost an AR step and a fifth adds ~15 ms; timed only up
-# to 4 tokens, that cliff was invisible and "auto" ran code at 27 ms a round against block 4's 19.
+# because 1-4 tokens cost about an AR step and a fifth a step more (docs/BENCHMARKS.md, Verify cost);
+# timed only up to 4 tokens, that jump was invisible and "auto" verified blocks past it.
 CALIBRATED_DRAFTS = 4
 
 

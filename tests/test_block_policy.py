@@ -345,7 +345,7 @@ def test_measure_costs_runs_only_the_measured_shapes_and_extends_the_slope(clock
 
 
 def test_a_flat_measured_verify_curve_still_extends_upwards():
-    # session 11, paged runner on a busy machine: k = 1..3 pooled to one value; extended flat,
+    # paged runner on a busy machine: k = 1..3 pooled to one value; extended flat,
     # an 8-token block looked as cheap as a 2-token one and "auto" opened with k = 7
     assert extend_linearly([0.020, 0.028, 0.028, 0.028], 5) == pytest.approx([0.020, 0.028, 0.028, 0.028] + [0.028] * 2)
     step = extend_linearly([0.020, 0.028, 0.028, 0.028], 5, min_slope=0.008 / 3)
@@ -356,7 +356,7 @@ def test_a_flat_measured_verify_curve_still_extends_upwards():
 
 class CliffMockTarget(SlowMockTarget):
     """Forwards of up to 4 tokens cost 3 ms, longer ones 12 ms: the shape of the Zen 4 verify
-    curve (1-4 tokens at an AR step's cost, then a jump; docs/BENCHMARKS.md session 13)."""
+    curve (1-4 tokens at an AR step's cost, then a jump; docs/BENCHMARKS.md, Verify cost)."""
 
     def cost_s(self, num_tokens):
         return 0.003 if num_tokens <= 4 else 0.012
