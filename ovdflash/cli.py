@@ -13,6 +13,7 @@ _COMMANDS = {
     "chat": ("ovdflash.chat", "chat", "Chat with a model directory (default: SmolLM2-135M + shipped drafter)."),
     "bench": ("ovdflash.bench", "bench", "Benchmark DFlash against autoregressive baselines."),
     "train": ("ovdflash.cmd_train", "train", "Distill a DFlash drafter for a target model."),
+    "env": ("ovdflash.env", "env", "Print the host's CPU, ISA, versions and a model's compile precisions."),
 }
 
 

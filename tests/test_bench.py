@@ -198,3 +198,42 @@ def test_oracle_mode_accepts_whole_blocks_at_the_drafters_cost(tiny_pair, tmp_pa
     assert e["mean_acceptance_length"] > 3.0
     assert e["draft_ms_per_round"] > 0  # the real drafter ran
     assert res["prompt_sets"]["code"]["ratios"]["oracle@4 / best AR"] == pytest.approx(e["speedup"])
+
+
+def test_plot_gives_every_mode_its_own_label_and_style(tmp_path):
+    """The speedup panel: one legend entry per (prompt set, mode kind), each naming its mode, and
+    each mode kind its own line style (the drafter alone is not the perfect drafter)."""
+    from ovdflash.bench import plot
+
+    kinds = ("dflash", "dflash-nopl", "oracle", "genai-dflash")
+    result = {"prompt_sets": {s: {"modes": {f"{k}@{b}": {"speedup": 1.0 + b / 10, "per_position_acceptance_rate": [0.5]}
+                                            for k in kinds for b in (2, 4)}} for s in ("code", "chat")}}
+    fig = plot(result, tmp_path / "bench.png")
+    lines = [line for line in fig.axes[1].get_lines() if not line.get_label().startswith("_")]
+    labels = [line.get_label() for line in lines]
+    assert len(labels) == len(set(labels)) == 2 * len(kinds)
+    for s in ("code", "chat"):
+        for k in kinds:  # exactly one label names this set and this mode (not a longer mode's name)
+            named = [label for label in labels if label.startswith(f"{s}, ") and label.split(", ")[1].split()[0] == k]
+            assert len(named) == 1, (s, k, labels)
+    styles = {label.split(", ")[1].split()[0]: line.get_linestyle() for label, line in zip(labels, lines)}
+    assert len(set(styles.values())) == len(kinds)
+    assert [t.get_text() for t in fig.axes[1].get_legend().get_texts()] == labels
+
+
+def test_cli_reports_progress_per_run_and_records_the_host(tiny_pair, tmp_path):
+    from ovdflash.env import collect
+
+    out = tmp_path / "bench"
+    res = CliRunner().invoke(bench, [str(tiny_pair), "--prompt-sets", "code", "-n", "2", "--max-new-tokens", "4",
+                                     "--modes", "dflash,ar", "--block-sizes", "2", "--repetitions", "1",
+                                     "--warmup", "0", "--no-memory", "--out", str(out),
+                                     "--config", json.dumps({**STRICT_F32, "CACHE_DIR": str(tmp_path / "c")})])
+    assert res.exit_code == 0, res.output
+    lines = [line for line in res.stderr.splitlines() if line.startswith("run ")]
+    assert [line.split(":")[0] for line in lines] == [f"run {i}/4" for i in range(1, 5)]  # 2 modes x 2 prompts
+    assert {line.split(": ")[1].split()[-1] for line in lines} == {"dflash@2", "ar"}
+    assert "run 1/4" not in res.stdout  # the tables' stdout stays clean
+    host = json.loads((out / "bench.json").read_text())["host"]
+    assert set(host) == set(collect()) and "model" not in host
+    assert host["cpu"] == collect()["cpu"]

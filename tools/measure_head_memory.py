@@ -16,12 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-
-def rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+from ovdflash.bench import rss_mb as rss_mib
 
 
 def run_variant(model_dir: Path, variant: str, config_name: str) -> dict:
@@ -30,9 +25,10 @@ def run_variant(model_dir: Path, variant: str, config_name: str) -> dict:
 
     from ovdflash import STRICT_F32
     from ovdflash.graphs import drafter_for_runtime, target_for_runtime
+    from ovdflash.manifest import load_manifest
 
     config = STRICT_F32 if config_name == "strict" else {}
-    m = json.loads((model_dir / "manifest.json").read_text())
+    m = load_manifest(model_dir)
     core = ov.Core()
     base = rss_mib()
     target = target_for_runtime(core.read_model(str(model_dir / "target" / "openvino_model.xml")),

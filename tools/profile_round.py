@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from compare_drafters import time_drafter  # noqa: E402  (tools/, next to this file)
 from ovdflash import TARGET_RUNNERS  # noqa: E402
-from ovdflash.bench import CpuMeter, GenaiRunner, OursRunner, load_prompts  # noqa: E402
+from ovdflash.bench import CpuMeter, GenaiRunner, OursRunner, encode_prompts, rotated  # noqa: E402
 from ovdflash.block_policy import BlockPolicy  # noqa: E402
 from ovdflash.manifest import load_manifest  # noqa: E402
 from ovdflash.pipeline import DFlashPipeline  # noqa: E402
@@ -83,18 +83,12 @@ class TimedRequest:
         return getattr(self._request, name)
 
 
-def rotated(items, rep):
-    """`items` starting at position rep (mod len): A B C, B C A, ... so noise hits each alike."""
-    items = list(items)
-    return items[rep % len(items):] + items[: rep % len(items)]
-
-
 def med(xs):
     return round(statistics.median(xs), 3) if xs else None
 
 
 def prompt_ids(pipe, n=1):
-    return [pipe.encode_prompt([{"role": "user", "content": p}]) for p in load_prompts("chat", n)]
+    return encode_prompts(pipe, "chat", n)
 
 
 def verify_curve(pipe, prompt, reps, ks=(1, 2, 3, 4, 5, 6, 8, 16)):
@@ -195,8 +189,7 @@ def compare_pipelines(pipes, tokens, reps, meter):
     """The verify curve and tok/s of our AR and dflash@2/@3/@4 on one code, math and chat prompt
     for every pipeline in each repetition, their order rotated."""
     first = next(iter(pipes.values()))
-    prompts = [first.encode_prompt([{"role": "user", "content": p}])
-               for domain in ("code", "math", "chat") for p in load_prompts(domain, 1)]
+    prompts = [ids for domain in ("code", "math", "chat") for ids in encode_prompts(first, domain, 1)]
     modes = {"ar": None, "dflash@2": 2, "dflash@3": 3, "dflash@4": 4}
     rates = {(d, m): [] for d in pipes for m in modes}
     verify = {d: [] for d in pipes}
