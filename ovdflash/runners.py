@@ -66,8 +66,8 @@ def kv_seq_axes(model: ov.Model) -> dict[str, int]:
 def run_request(request: ov.InferRequest, inputs: dict) -> None:
     """One inference, inputs shared (no copies). start_async + wait, as openvino.genai's decode
     loop does, not infer(): infer() runs the graph on the calling Python thread, and with 2
-    threads on a shared 2-vCPU VM our AR made 10-20 % fewer tokens/s that way
-    (docs/BENCHMARKS.md, issue 5; `tools/profile_round.py --sections loop`)."""
+    threads on a shared 2-vCPU VM our AR made fewer tokens/s that way
+    (docs/BENCHMARKS.md, Compile settings; `tools/profile_round.py --sections loop`)."""
     request.start_async(inputs, share_inputs=True)
     request.wait()
 
@@ -155,7 +155,7 @@ class OVTarget(_LogitRows):
             self.state_reads += 1
             axis = self.seq_axes.get(state.name, 2)
             assert value.shape[axis] == self.physical, (state.name, value.shape, self.physical)
-            # a dense tensor: ROI tensors set as state corrupt u8 caches (openvino.md §7)
+            # a dense tensor: an ROI (strided view) tensor set as a state corrupts a u8 cache
             state.state = ov.Tensor(np.ascontiguousarray(np.take(value, keep, axis=axis)))
             self.state_writes += 1
         self.physical = len(keep)
@@ -284,7 +284,7 @@ class OVDrafter:
         num_ctx = len(ctx_feats)
         # manifest "draft_pass" full_block (the default): draft with the block the drafter was trained
         # on even when fewer drafts are verified, since the first slots of a short block see fewer
-        # mask tokens than in training and draft worse (docs/BENCHMARKS.md, session 9); "exact"
+        # mask tokens than in training and draft worse (docs/BENCHMARKS.md, Compile settings); "exact"
         # (draft_block 0): k + 1 tokens, for drafters trained on short blocks too
         block = max(num_drafts + 1, min(self.draft_block, len(self.ones[0]) - start))
         if self.context_len + num_ctx != start:
