@@ -4,13 +4,16 @@ Contract:
 - `DFlashPipeline.from_pretrained(model_dir=None, device="CPU", draft=True, cache_dir=None,
   precision=None, **compile_options)` reads an exported directory (ovdflash.manifest) and
   compiles both models with CACHE_DIR set. `precision` ("f32", the default, or "bf16") and the
-  compile options decide the numerics as `ovdflash.precision` says; `numerics` records them. No directory = the
+  compile options decide the numerics as `ovdflash.precision` says; `numerics` records them.
+  `release_weight_pages` (default True) primes every kernel shape once and then drops the mapped IR
+  files' resident pages, which the plugin no longer reads once it has repacked the weights. No directory = the
   embedded default model (`ovdflash_models.default.ensure_default_model()`). `draft=False`
   compiles the target only (autoregressive baseline). `use_draft_vocab=False` ignores a
   shipped `drafter/draft_vocab.json` (full-vocabulary drafting head).
 - `generate(prompt_or_messages, max_new_tokens, temperature, top_p, top_k, seed, stop,
   block_size, draft, apply_chat_template)` -> `GenerationResult(text, token_ids, finish_reason, stats)`.
-  `stream(...)` yields text once per accepted block (the same text, in pieces). `draft=None`
+  `stream(...)` yields text once per accepted block (the same text, in pieces);
+  `stream_rounds(prompt, result, stop, **kwargs)` once per round, filling `result`. `draft=None`
   uses the drafter when one is loaded; `draft=False` (or block_size=1) is plain autoregressive.
   `block_size="auto"`: a `block_policy.BlockPolicy` picks the drafts per round (0 = AR step, at
   most the trained block - 1); its cost curves are measured on the real models at the first
@@ -101,7 +104,8 @@ class DFlashPipeline:
     def from_pretrained(cls, model_dir: str | Path | None = None, device: str = "CPU", draft: bool = True,
                         cache_dir: str | Path | None = None, use_draft_vocab: bool = True,
                         target_runner: str | None = None, prompt_lookup: bool = True,
-                        precision: str | None = None, **compile_options) -> "DFlashPipeline":
+                        precision: str | None = None, release_weight_pages: bool = True,
+                        **compile_options) -> "DFlashPipeline":
         from .runners import compile_runners  # openvino is only needed from here on
 
         if isinstance(model_dir, str) and not model_dir.strip():  # Path("") would quietly mean "."
@@ -120,7 +124,26 @@ class DFlashPipeline:
                    manifest["mask_token_id"], model_dir, manifest.get("bos_token_id"),
                    manifest["default_block_size"], prompt_lookup)
         pipe.numerics = numerics
+        if release_weight_pages:
+            pipe.release_weight_pages()
         return pipe
+
+    def release_weight_pages(self) -> int:
+        """Run every kernel shape once (a prefill, a verify, an AR step), so the plugin has repacked
+        its weights, then drop the resident pages of the mapped IR files (ovdflash.memory)."""
+        from .memory import release_mapped_files
+
+        kept = self.stats, self.last_stats  # not a user call: leave the stats alone
+        self.stats = GenerationStats()
+        prompt = [self.eos_token_ids[0] if self.eos_token_ids else 0] * 32
+        for block in ((2, 1) if self.drafter is not None else (1,)):
+            for _ in self.generate_tokens(prompt, 3, block_size=block, eos_token_ids=(), prompt_lookup=False):
+                pass
+        self.stats, self.last_stats = kept
+        if self.model_dir is None:
+            return 0
+        return release_mapped_files([self.model_dir / "target" / "openvino_model.bin",
+                                     self.model_dir / "drafter" / "openvino_model.bin"])
 
     # -- token level ---------------------------------------------------------------------------
     def generate_tokens(self, prompt_ids: Sequence[int], max_new_tokens: int = 256, temperature: float = 0.0,
@@ -203,8 +226,10 @@ class DFlashPipeline:
             raise ValueError("this pipeline has no tokenizer; use generate_tokens()")
         return self.tokenizer
 
-    def _blocks(self, prompt_or_messages, stop, result, apply_chat_template: bool, **kwargs) -> Iterator[str]:
-        """Text per accepted block; fills `result` (token_ids, text, finish_reason) as it goes."""
+    def _blocks(self, prompt_or_messages, stop, result, apply_chat_template: bool, every_round: bool = False,
+                **kwargs) -> Iterator[str]:
+        """Text per accepted block (with `every_round`, one item per round, "" while text is held
+        back); fills `result` (token_ids, text, finish_reason) as it goes."""
         stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
         prompt_ids = self.encode_prompt(prompt_or_messages, apply_chat_template)
         detok = IncrementalDetokenizer(self._tok())
@@ -225,7 +250,7 @@ class DFlashPipeline:
                 result.finish_reason = event.finish_reason
                 if not event.from_draft or event.finish_reason:  # end of an accepted block
                     safe = len(text) if event.finish_reason else len(text) - _held_back(text, stops)
-                    if safe > emitted:
+                    if safe > emitted or every_round:
                         yield text[emitted:safe]
                         emitted = safe
         finally:
@@ -244,6 +269,12 @@ class DFlashPipeline:
                                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, seed=seed, block_size=block_size, draft=draft,
                                 prompt_lookup=prompt_lookup)
+
+    def stream_rounds(self, prompt_or_messages, result: GenerationResult, stop=None,
+                      apply_chat_template: bool = False, **kwargs) -> Iterator[str]:
+        """`stream` with one item per round ("" when its text is held back), filling `result` as it
+        goes: a caller stepping it (the server's scheduler) can stop between any two rounds."""
+        return self._blocks(prompt_or_messages, stop, result, apply_chat_template, every_round=True, **kwargs)
 
     def generate(self, prompt_or_messages, max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
