@@ -192,13 +192,14 @@ def measure_costs(target, drafter, prompt_ids: Sequence[int], max_drafts: int,
     from .sampling import SamplingParams, sample_token
     from .stats import GenerationStats
 
-    params, rng = SamplingParams(), np.random.default_rng(0)
+    params = SamplingParams()  # greedy: no randomness is drawn
+    randomness = params.make_randomness()
     target.reset()
     drafter.reset()
     prompt = np.asarray(prompt_ids, dtype=np.int64)
     logits, feats = target.forward(prompt, all_logits=False)
     target.commit(len(prompt))
-    last, ctx_feats = sample_token(logits[-1], params, rng), np.array(feats)
+    last, ctx_feats = sample_token(logits[-1], params, None), np.array(feats)
     measured = max_drafts if measured_drafts is None else max(1, min(measured_drafts, max_drafts))
     steps, drafts = [[] for _ in range(measured + 1)], [[] for _ in range(measured + 1)]
     switch_excess = []
@@ -212,11 +213,11 @@ def measure_costs(target, drafter, prompt_ids: Sequence[int], max_drafts: int,
                 stats = GenerationStats()
                 if k == 0:
                     t0 = time.perf_counter()
-                    last, ctx_feats = engine.autoregressive_step(target, True, last, ctx_feats, params, rng)
+                    last, ctx_feats = engine.autoregressive_step(target, True, last, ctx_feats, params, randomness)
                     stats.verify_s = time.perf_counter() - t0
                 else:
                     _, last, ctx_feats = engine.speculative_round(target, drafter, last, ctx_feats, k + 1,
-                                                                  params, rng, stats)
+                                                                  params, randomness, stats)
                 passes.append(stats.verify_s + stats.draft_s)
             if rep or k != ks[0]:  # the very first pass follows the prefill, not another k
                 switch_excess.append(passes[0] - passes[1])

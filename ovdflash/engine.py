@@ -37,7 +37,7 @@ from typing import Iterator, Protocol, Sequence
 import numpy as np
 
 from .lookup import NgramLookup
-from .sampling import SamplingParams, accept, sample_token
+from .sampling import PositionRandomness, SamplingParams, accept_at_positions, sample_token
 from .stats import GenerationStats
 
 
@@ -78,7 +78,7 @@ class PromptTooLongError(ValueError):
 
 
 def speculative_round(target: TargetRunner, drafter: DrafterRunner, last: int, ctx_feats: np.ndarray,
-                      block_size: int, params: SamplingParams, rng: np.random.Generator,
+                      block_size: int, params: SamplingParams, randomness: PositionRandomness,
                       stats: GenerationStats, lookup_drafts: np.ndarray | None = None
                       ) -> tuple[list[int], int, np.ndarray]:
     """One DFlash round. `lookup_drafts` (at most block_size - 1 tokens copied by n-gram lookup
@@ -95,7 +95,7 @@ def speculative_round(target: TargetRunner, drafter: DrafterRunner, last: int, c
     t1 = time.perf_counter()
     verify_ids = np.concatenate(([last], drafts)).astype(np.int64)
     logits, feats = target.forward(verify_ids, all_logits=True)       # row i scores position start+i+1
-    num_accepted, next_token = accept(drafts, logits, params, rng)
+    num_accepted, next_token = accept_at_positions(drafts, logits, params, randomness, start + 1)
     new_feats = np.concatenate([unseen, feats[: num_accepted + 1]])  # a copy: the view dies next call
     target.commit(num_accepted + 1)   # rejected slots are masked out, never copied
     stats.draft_s += t1 - t0
@@ -105,14 +105,15 @@ def speculative_round(target: TargetRunner, drafter: DrafterRunner, last: int, c
 
 
 def autoregressive_step(target: TargetRunner, feed_drafter: bool, last: int, ctx_feats: np.ndarray,
-                        params: SamplingParams, rng: np.random.Generator) -> tuple[int, np.ndarray]:
+                        params: SamplingParams, randomness: PositionRandomness) -> tuple[int, np.ndarray]:
     """One plain target step on `last`. Returns (next token, ctx_feats with `last`'s features
     appended when a drafter will need them later)."""
+    position = target.committed + 1  # of the token this step samples
     logits, feats = target.forward(np.array([last], dtype=np.int64), all_logits=True)
     target.commit(1)
     if feed_drafter:  # keep the drafter's context complete for later rounds
         ctx_feats = np.concatenate([ctx_feats, feats[:1]])
-    return sample_token(logits[0], params, rng), ctx_feats
+    return sample_token(logits[0], params, randomness.at(position)), ctx_feats
 
 
 def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Sequence[int],
@@ -135,7 +136,7 @@ def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Se
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     eos = set(int(t) for t in eos_token_ids)
-    rng = params.make_rng()
+    randomness = params.make_randomness()  # per absolute position: seeded replies equal AR's
     t_start = time.perf_counter()
     stats.num_calls += 1
     stats.num_prompt_tokens += len(prompt)
@@ -146,7 +147,7 @@ def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Se
         drafter.reset()
     logits, feats = target.forward(prompt, all_logits=False)
     target.commit(len(prompt))
-    last = sample_token(logits[-1], params, rng)
+    last = sample_token(logits[-1], params, randomness.at(len(prompt)))
     ctx_feats = np.array(feats)
     if lookup is not None:
         lookup.reset(np.append(prompt, last))
@@ -178,7 +179,8 @@ def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Se
             t_round = time.perf_counter()
             num_drafted = block - 1
             if drafter is None or block < 2:
-                last, ctx_feats = autoregressive_step(target, drafter is not None, last, ctx_feats, params, rng)
+                last, ctx_feats = autoregressive_step(target, drafter is not None, last, ctx_feats, params,
+                                                     randomness)
                 stats.num_ar_steps += 1
                 accepted = []
             else:
@@ -186,7 +188,7 @@ def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Se
                 if lookup_drafts is not None:  # a match near the end may offer fewer tokens
                     num_drafted = len(lookup_drafts)
                 accepted, last, ctx_feats = speculative_round(target, drafter, last, ctx_feats, block,
-                                                              params, rng, stats, lookup_drafts)
+                                                              params, randomness, stats, lookup_drafts)
             if policy_decides:
                 policy.observe_round(num_drafted, len(accepted), time.perf_counter() - t_round)
             pending = [(t, True) for t in accepted] + [(last, False)]

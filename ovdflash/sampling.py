@@ -13,6 +13,14 @@ Contract:
   probability min(1, p(d)/q(d)) = p(d); on rejection sample from norm(max(p - q, 0)), which is p
   with d removed and renormalised; all accepted -> a bonus sample from the last row. Every
   emitted token is therefore distributed exactly as a plain autoregressive sample.
+- `PositionRandomness(seed)` and `accept_at_positions(drafts, target_logits, params, randomness,
+  first_position)`: what the engine uses. The randomness of the token at absolute position t is
+  drawn from (seed, t) alone; every verified row samples the target's own token at its position
+  from it, and a draft is accepted iff it equals that sample. With a one-token (argmax or lookup)
+  proposal d this accepts with probability p(d) and, on a miss, leaves the sample conditioned on
+  != d, which is norm(max(p - onehot(d), 0)): the same exact rejection sampler as accept_sampled.
+  Since AR samples position t from the same randomness, a seeded reply is the same token for
+  token with AR and with DFlash at any block size, lookup or "auto" (docs/DESIGN.md, Seeds).
 Rows of `target_logits`: row i is the target's prediction for the token after the i-th verified
 token, so row i scores draft i (0-based) and row len(drafts) scores the bonus.
 """
@@ -49,6 +57,19 @@ class SamplingParams:
 
     def make_rng(self) -> np.random.Generator:
         return np.random.default_rng(self.seed)
+
+    def make_randomness(self) -> "PositionRandomness":
+        return PositionRandomness(self.seed)
+
+
+class PositionRandomness:
+    """A random stream per absolute token position, from (seed, position) alone."""
+
+    def __init__(self, seed: int | None = None):
+        self.seed = int(np.random.SeedSequence().entropy) if seed is None else int(seed)
+
+    def at(self, position: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, int(position)])
 
 
 def warp_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -135,3 +156,16 @@ def accept(drafts: np.ndarray, target_logits: np.ndarray, params: SamplingParams
     if params.greedy:
         return accept_greedy(drafts, np.argmax(target_logits[: len(drafts) + 1], axis=-1))
     return accept_sampled(drafts, target_logits, params, rng)
+
+
+def accept_at_positions(drafts: np.ndarray, target_logits: np.ndarray, params: SamplingParams,
+                        randomness: PositionRandomness, first_position: int) -> tuple[int, int]:
+    """(a, next_token): row i samples position first_position + i from its own randomness; drafts
+    are kept while they equal those samples (greedy: the argmax prefix). See the module doc."""
+    if params.greedy:
+        return accept(drafts, target_logits, params, None)
+    for i in range(len(drafts) + 1):  # rows are warped lazily: stop at the first miss
+        token = sample_token(target_logits[i], params, randomness.at(first_position + i))
+        if i == len(drafts) or token != int(drafts[i]):
+            return i, token
+    raise AssertionError("unreachable")

@@ -117,14 +117,15 @@ def test_sampling_with_lookup_drafts_matches_exact_ar_distribution(mock_pair, se
 
 
 def test_negative_control_biased_residual_is_detected(mock_pair, monkeypatch):
-    def biased_accept(drafts, logits, params, rng):  # bug: rejected draft left in the residual
-        for i, d in enumerate(drafts):
-            p = warp_probs(logits[i], params)
-            if rng.random() >= p[d]:
-                return i, sample_from(p, rng)
-        return len(drafts), sample_from(warp_probs(logits[len(drafts)], params), rng)
+    def biased_accept(drafts, logits, params, randomness, first_position):
+        for i in range(len(drafts) + 1):
+            rng = randomness.at(first_position + i)
+            token = sample_from(warp_probs(logits[i], params), rng)
+            if i == len(drafts) or token != drafts[i]:  # bug: a second draw on a miss may be the rejected draft
+                return i, sample_from(warp_probs(logits[i], params), rng) if i < len(drafts) else token
+        raise AssertionError
 
-    monkeypatch.setattr(engine, "accept", biased_accept)
+    monkeypatch.setattr(engine, "accept_at_positions", biased_accept)
     target, drafter = mock_pair
     assert min(p_values(target, drafter, SETTINGS["temperature"]).values()) < P_THRESHOLD
 
