@@ -1,6 +1,6 @@
 """`ovdflash train`: distill a DFlash drafter for a Hugging Face target (needs the export extra).
 
-The command only parses options; the work is `ovdflash_export.train.train`, imported when the
+The command only parses options; the work is `ovdflash_export.training.train.train`, imported when the
 command runs so that `ovdflash --help` never loads torch. Re-running the same command with the
 same --out resumes from `train_state.pt` (model, optimizer, step, schedule position).
 """
@@ -17,7 +17,7 @@ def _ids(text):
 @click.option("--target", required=True,
               help="HF model directory of the target, or 'smollm2' (fetched into the ovdflash cache).")
 @click.option("--data", "data_dirs", multiple=True, required=True,
-              help="Data directory written by `python -m ovdflash_export.data` (repeatable).")
+              help="Data directory written by `python -m ovdflash_export.training.data` (repeatable).")
 @click.option("--eval-data", "eval_dirs", multiple=True, help="Held-out data directory: tau estimate per domain.")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
               help="Checkpoint directory (config.json + model.safetensors + train_state.pt).")
@@ -63,7 +63,7 @@ def _ids(text):
               help="Train on the stored tokens instead of the target's greedy chain (see train.py; "
                    "teacher-forced text data needs relabelling).")
 @click.option("--features", "features_root", default=None, type=click.Path(exists=True, file_okay=False),
-              help="Precomputed OpenVINO target features (python -m ovdflash_export.features): one sub-directory "
+              help="Precomputed OpenVINO target features (python -m ovdflash_export.training.features): one sub-directory "
                    "per data directory's name; those sequences never run the torch target.")
 @click.option("--kd-weight", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
               help="Weight of distillation on the target's top-k distributions (those stored with --features "
@@ -89,8 +89,8 @@ def train(target, data_dirs, eval_dirs, out_dir, state_dir, layers, block_size, 
           ce_vocab_size, short_blocks, eval_block_len, evaluate_only):
     """Distill a DFlash drafter for a target model."""
     try:
-        from ovdflash_export.train import TrainConfig, evaluate_checkpoint
-        from ovdflash_export.train import train as run_training
+        from ovdflash_export.training.train import TrainConfig, evaluate_checkpoint
+        from ovdflash_export.training.train import train as run_training
     except ImportError as exc:
         raise click.ClickException(f"training needs the export extra (torch, transformers): {exc}")
     if target == "smollm2":

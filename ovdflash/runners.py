@@ -306,7 +306,7 @@ class OVDrafter:
 def runtime_target_graph(target_model: ov.Model, manifest: dict, target_runner: str = DEFAULT_TARGET_RUNNER) -> ov.Model:
     """The runtime's edits of a read target IR, in place (and returned): openvino's paged-attention
     transformation for the "paged" runner, then `graphs.target_for_runtime`. The feature pass
-    (ovdflash_export.features) builds its graph with this too, so it runs what the runtime runs."""
+    (ovdflash_export.training.features) builds its graph with this too, so it runs what the runtime runs."""
     if parse_target_runner(target_runner) == "paged":
         from openvino._offline_transformations import paged_attention_transformation
 

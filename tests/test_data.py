@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ovdflash_export.data import (ShardWriter, _work_list, data_summary, load_sequences, pack_data_dir, read_index,
+from ovdflash_export.training.data import (ShardWriter, _work_list, data_summary, load_sequences, pack_data_dir, read_index,
                                   read_tokens)
-from ovdflash_export.prompts import load_prompts, write_prompts
+from ovdflash_export.training.prompts import load_prompts, write_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "models" / "prompts"
@@ -135,7 +135,7 @@ def test_torch_generator_matches_unbatched_greedy_and_resumes(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ovdflash_export.data import chat_prompt_ids, generate_dataset_torch
+    from ovdflash_export.training.data import chat_prompt_ids, generate_dataset_torch
     from ovdflash_export.tiny import make_tiny_target
 
     target = make_tiny_target("llama", tmp_path / "target", vocab_size=512, num_hidden_layers=2)
@@ -196,7 +196,7 @@ def _tiny_tokenizer(tmp_path):
 def test_chat_prompt_ids_carry_the_earlier_exchange(tmp_path):
     import pytest
 
-    from ovdflash_export.data import chat_prompt_ids
+    from ovdflash_export.training.data import chat_prompt_ids
 
     _, tok, _ = _tiny_tokenizer(tmp_path)
     first = chat_prompt_ids(tok, ["add two numbers", "now in C"])
@@ -221,7 +221,7 @@ def _one_train_prompt_per_domain(tmp_path):
 
 
 def test_followup_pool_takes_whole_replies_to_train_prompts_only(tmp_path):
-    from ovdflash_export.prompts import FOLLOW_UPS, build_followup_pool, load_prompts
+    from ovdflash_export.training.prompts import FOLLOW_UPS, build_followup_pool, load_prompts
 
     target, tok, eos, prompts, w, reply = _one_train_prompt_per_domain(tmp_path)
     w.append([1, 2] + reply + [eos], 2, "code", "greedy", "code0", 0, True)        # kept
@@ -239,7 +239,7 @@ def test_followup_pool_takes_whole_replies_to_train_prompts_only(tmp_path):
 
 
 def test_a_variant_followup_pool_asks_each_conversation_a_new_request(tmp_path):
-    from ovdflash_export.prompts import FOLLOW_UPS, build_followup_pool, load_prompts, root_prompt_id
+    from ovdflash_export.training.prompts import FOLLOW_UPS, build_followup_pool, load_prompts, root_prompt_id
 
     target, tok, eos, prompts, w, reply = _one_train_prompt_per_domain(tmp_path)
     other = tok("another answer", add_special_tokens=False)["input_ids"]
@@ -266,7 +266,7 @@ def test_a_variant_followup_pool_asks_each_conversation_a_new_request(tmp_path):
 
 
 def test_a_followup_of_a_followup_keeps_the_whole_conversation(tmp_path):
-    from ovdflash_export.prompts import build_followup_pool, load_prompts
+    from ovdflash_export.training.prompts import build_followup_pool, load_prompts
 
     target, tok, eos = _tiny_tokenizer(tmp_path)
     pool = tmp_path / "fu"
@@ -303,7 +303,7 @@ def test_shipped_followup_pools_hold_no_eval_prompt():
 
 
 def test_stdlib_code_prompts_take_public_documented_functions(tmp_path):
-    from ovdflash_export.prompts import stdlib_code_prompts
+    from ovdflash_export.training.prompts import stdlib_code_prompts
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "t.py").write_text('def test_it(x):\n    """A test helper that nobody should see here."""\n')
     (tmp_path / "_private.py").write_text('def hidden(x):\n    """A function in a private module is left out too."""\n')
@@ -324,7 +324,7 @@ def test_stdlib_code_prompts_take_public_documented_functions(tmp_path):
 
 
 def test_wide_pool_avoids_eval_prompts_and_rebuilds_identically(tmp_path):
-    from ovdflash_export.prompts import DOMAINS, build_wide_pool, load_prompts, wide_chat_prompts
+    from ovdflash_export.training.prompts import DOMAINS, build_wide_pool, load_prompts, wide_chat_prompts
     import random
     first = wide_chat_prompts(random.Random(7))[0]["turns"][0]
     evals = tmp_path / "prompts"
@@ -353,7 +353,7 @@ def test_shipped_wide_pool_holds_no_eval_prompt():
 
 
 def test_chat2_pool_avoids_eval_and_earlier_first_turns_and_rebuilds_identically(tmp_path):
-    from ovdflash_export.prompts import DOMAINS, build_chat2_pool, chat2_prompts, write_prompts
+    from ovdflash_export.training.prompts import DOMAINS, build_chat2_pool, chat2_prompts, write_prompts
     import random
     candidates = [r["turns"][0] for r in chat2_prompts(random.Random(7))]
     evals, earlier = tmp_path / "prompts", tmp_path / "earlier"

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from ovdflash import STRICT_F32
-from ovdflash_export.data import ShardWriter, load_sequences
-from ovdflash_export.features import FEATS, INDEX, TOPK_IDS, TOPK_LOGP, FeatureFile, fill_topk, precompute_features
-from ovdflash_export.train import FeatureStore, FrozenTarget, PrecomputedStore, TrainConfig, train
+from ovdflash_export.training.data import ShardWriter, load_sequences
+from ovdflash_export.training.features import FEATS, INDEX, TOPK_IDS, TOPK_LOGP, FeatureFile, fill_topk, precompute_features
+from ovdflash_export.training.train import FeatureStore, FrozenTarget, PrecomputedStore, TrainConfig, train
 
 
 def _write(data_dir, n, seed, vocab=512):
@@ -210,7 +210,7 @@ def test_next_token_scores_in_the_graph_equal_numpy_with_ties_in_id_order():
     import openvino as ov
     import openvino.opset13 as ops
 
-    from ovdflash_export.features import add_next_token_scores, ties_in_id_order, top_k_log_probs
+    from ovdflash_export.training.features import add_next_token_scores, ties_in_id_order, top_k_log_probs
 
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(1, 5, 40)).astype(np.float32)
@@ -273,7 +273,7 @@ def test_shared_prefixes_give_the_features_of_separate_prefills(pair_and_data, t
     """Follow-ups (in another directory) that begin with a stored conversation, and two replies to
     one prompt: run in token order with their shared prefixes run once, the stored rows equal
     those of one prefill per sequence."""
-    from ovdflash_export.features import precompute_features_many
+    from ovdflash_export.training.features import precompute_features_many
 
     model_dir, _ = pair_and_data
     rng = np.random.default_rng(7)

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from ovdflash_export.data import ShardWriter, load_sequences
+from ovdflash_export.training.data import ShardWriter, load_sequences
 from ovdflash_export.drafter import VAL_SEED_KEY, DFlashDrafter
 from ovdflash_export.tiny import make_tiny_target
-from ovdflash_export.train import (STATE_NAME, FrozenTarget, TrainConfig, chain_labels, most_used_ids, slot_weights,
+from ovdflash_export.training.train import (STATE_NAME, FrozenTarget, TrainConfig, chain_labels, most_used_ids, slot_weights,
                                    soft_ce, split_train_val, train)
 
 VOCAB = 512
@@ -151,7 +151,7 @@ def test_warm_start_loads_the_checkpoint_and_checks_geometry(tiny_setup):
 
 
 def test_a_warm_start_with_another_seed_validates_on_its_parents_prompts(tiny_setup, monkeypatch):
-    import ovdflash_export.train as train_mod
+    import ovdflash_export.training.train as train_mod
 
     target, data, root = tiny_setup
     split_seeds = []
@@ -241,7 +241,7 @@ def test_loss_falls_and_checkpoint_loads(tiny_setup):
 
 def test_folded_checkpoint_takes_raw_features(tiny_setup):
     """The saved drafter on raw features equals the trained one on scaled features."""
-    from ovdflash_export.train import build_batch, FeatureStore
+    from ovdflash_export.training.train import build_batch, FeatureStore
 
     target, data, root = tiny_setup
     out = root / "run_fold"
@@ -279,7 +279,7 @@ def test_resume_reproduces_uninterrupted_run(tiny_setup):
 
 def test_a_short_training_block_is_what_a_short_drafting_pass_computes(tiny_setup):
     """block_len / short_blocks cut blocks as the runtime does when it verifies fewer drafts."""
-    from ovdflash_export.train import blocks_forward, build_batch, FeatureStore
+    from ovdflash_export.training.train import blocks_forward, build_batch, FeatureStore
 
     target, data, root = tiny_setup
     ft = FrozenTarget(target, [0, 2], "cpu")
@@ -308,7 +308,7 @@ def test_a_short_training_block_is_what_a_short_drafting_pass_computes(tiny_setu
 
 
 def test_pick_batch_walks_new_sequences_in_order():
-    from ovdflash_export.train import pick_batch
+    from ovdflash_export.training.train import pick_batch
 
     train_idx = list(range(100, 140))
     seen = set()
@@ -323,7 +323,7 @@ def test_pick_batch_walks_new_sequences_in_order():
 
 
 def test_interleave_sources_deals_round_robin():
-    from ovdflash_export.train import interleave_sources
+    from ovdflash_export.training.train import interleave_sources
 
     source = [0] * 10 + [1] * 3 + [2] * 5
     idxs = list(range(18))
@@ -386,7 +386,7 @@ def test_draft_vocab_size_keeps_the_most_used_ids_and_the_full_ce(tiny_setup):
 
 
 def test_ce_vocab_size_scores_only_the_most_used_ids_and_ships_them(tiny_setup, monkeypatch):
-    import ovdflash_export.train as train_mod
+    import ovdflash_export.training.train as train_mod
 
     target, data, root = tiny_setup
     out = root / "run_ce_vocab"
@@ -420,8 +420,8 @@ def test_distillation_with_no_top_k_is_refused(tiny_setup, tmp_path):
 
 
 def test_a_followup_is_validated_or_trained_with_its_root_prompt():
-    from ovdflash_export.data import Sequence
-    from ovdflash_export.prompts import followup_id, root_prompt_id
+    from ovdflash_export.training.data import Sequence
+    from ovdflash_export.training.prompts import followup_id, root_prompt_id
 
     assert root_prompt_id("fu-fu-HumanEval-134-sample1284770-greedy529362") == "HumanEval-134"
     assert root_prompt_id(followup_id(followup_id("HumanEval-134", "sample", 7), "greedy", 9)) == "HumanEval-134"

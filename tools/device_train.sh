@@ -80,7 +80,7 @@ device() {
         mkdir -p "$gen"
         for pool in $pools; do
             [ -d "$gen/data_$pool" ] || cp -r "models/smollm2/data_$pool" "$gen/"
-            "$PYTHON" -u -m ovdflash_export.data --backend torch --device "${DEVICE:-cuda}" --hf-model "$hf" \
+            "$PYTHON" -u -m ovdflash_export.training.data --backend torch --device "${DEVICE:-cuda}" --hf-model "$hf" \
                 --prompts "models/prompts_$pool" --out "$gen/data_$pool" --domains chat \
                 --sample-reps "${GEN_REPS:-4}" --batch "${GEN_BATCH:-256}" --minutes "$per_pool" 2>&1 | tail -3
         done

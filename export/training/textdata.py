@@ -2,7 +2,7 @@
 
 Contract:
 - `build_text_dataset(tokenizer_dir, out_dir, code_tokens, prose_tokens, seed)` writes the same
-  data-directory format as `ovdflash_export.data` (tokens.bin + index.jsonl, `mode="text"`), so
+  data-directory format as `ovdflash_export.training.data` (tokens.bin + index.jsonl, `mode="text"`), so
   `ovdflash train` reads it like generated data. Each sequence is a chat-templated user turn
   followed by an "assistant answer" that is a chunk of existing text: Python source (domain
   `code`) or long docstrings (domain `chat`), both from the Python standard library of the
@@ -14,7 +14,7 @@ Contract:
   (~100 tok/s), and still yields exact greedy-continuation labels for the drafter's first slots.
 - Deterministic for a given stdlib and seed; resumable like the generator (prompt ids are the
   source file and chunk number).
-Run: `python -m ovdflash_export.textdata --tokenizer DIR --out models/smollm2/text`.
+Run: `python -m ovdflash_export.training.textdata --tokenizer DIR --out models/smollm2/text`.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def build_text_dataset(tokenizer_dir, out_dir, code_tokens: int = 800_000, prose
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     end = tok.convert_tokens_to_ids("<|im_end|>")
     writer = ShardWriter(out_dir)
-    with writer:  # closing packs the directory, also when a run is stopped (ovdflash_export.data docstring)
+    with writer:  # closing packs the directory, also when a run is stopped (ovdflash_export.training.data docstring)
         rng = random.Random(seed)
         files = stdlib_files(stdlib_root)
         rng.shuffle(files)
@@ -103,7 +103,7 @@ def build_text_dataset(tokenizer_dir, out_dir, code_tokens: int = 800_000, prose
                 made[domain] += len(answer)
     summary = data_summary(out_dir)
     (Path(out_dir) / "meta.json").write_text(json.dumps({
-        "generator": "ovdflash_export.textdata", "source": f"Python {sys.version.split()[0]} standard library",
+        "generator": "ovdflash_export.training.textdata", "source": f"Python {sys.version.split()[0]} standard library",
         "chunk_tokens": chunk_tokens, "seed": seed, "labels": "relabelled by the target at training time",
         "summary": summary}, indent=1))
     log(f"text data: {summary}")

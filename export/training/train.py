@@ -2,7 +2,7 @@
 
 Contract:
 - `train(cfg: TrainConfig) -> Path` trains `ovdflash_export.drafter.DFlashDrafter` on sequences
-  stored by `ovdflash_export.data` (token ids: chat prompt + target-regenerated response) and
+  stored by `ovdflash_export.training.data` (token ids: chat prompt + target-regenerated response) and
   writes a z-lab checkpoint (config.json + model.safetensors, no embedding / lm_head) to
   `cfg.out_dir`, loadable with `DFlashDrafter.from_pretrained` and by `ovdflash export`.
 - The target is frozen and never saved. Its embedding embeds the blocks, its lm_head scores them.
@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from ovdflash.manifest import DRAFT_VOCAB_FILE
 
 from .data import Sequence, load_sequences
-from .drafter import CONFIG_NAME, SHORT_BLOCKS_KEY, VAL_SEED_KEY, DFlashDrafter, DrafterConfig, build_target_layer_ids, drafter_num_params
+from ..drafter import CONFIG_NAME, SHORT_BLOCKS_KEY, VAL_SEED_KEY, DFlashDrafter, DrafterConfig, build_target_layer_ids, drafter_num_params
 from .prompts import root_prompt_id
 
 STATE_NAME = "train_state.pt"
@@ -70,7 +70,7 @@ LOG_NAME = "train_log.jsonl"
 @dataclass
 class TrainConfig:
     target: str                      # HF model directory of the target
-    data_dirs: list[str]             # directories written by ovdflash_export.data
+    data_dirs: list[str]             # directories written by ovdflash_export.training.data
     out_dir: str
     eval_dirs: list[str] = field(default_factory=list)  # held-out prompts' sequences: tau per domain
     state_dir: str | None = None     # where train_state.pt goes (None: out_dir); it is ~12x the checkpoint
@@ -116,7 +116,7 @@ class TrainConfig:
     stop_after_steps: int | None = None  # end this invocation early (schedule unchanged), as a kill would
     # labels = the target's own greedy chain (see build_batch); needed for teacher-forced text data
     relabel: bool = True
-    # precomputed OpenVINO target features (ovdflash_export.features): root with one sub-directory
+    # precomputed OpenVINO target features (ovdflash_export.training.features): root with one sub-directory
     # per data directory's name; sequences found there never run the torch target
     features_root: str | None = None
     # weight of the soft-label term (the target's top-k distributions: stored with precomputed
@@ -183,7 +183,7 @@ class FrozenTarget:
         [S] int64 greedy prediction for position s+1, or None without `predictions`). With `topk`
         K (needs `predictions`) a third value: the K most likely next tokens after every position
         and their log-probabilities over the whole vocabulary ([S, K] int64, [S, K] f32, on the
-        CPU), the soft labels that `ovdflash_export.features --topk` stores."""
+        CPU), the soft labels that `ovdflash_export.training.features --topk` stores."""
         self._check_topk(topk)
         self._captured.clear()
         out = self.base(input_ids=ids[None].to(self.device), use_cache=False)
@@ -291,7 +291,7 @@ class FeatureStore:
 
 class PrecomputedStore:
     """Features and greedy predictions precomputed by the deployed OpenVINO target
-    (`ovdflash_export.features`), looked up by (data directory, offset); a sequence that has none
+    (`ovdflash_export.training.features`), looked up by (data directory, offset); a sequence that has none
     (data that grew since, or a directory never precomputed) falls back to `fallback`, the frozen
     torch target. Same interface as FeatureStore."""
 

@@ -20,7 +20,7 @@ Contract (data directory, e.g. `models/smollm2/data/`):
 Generation runs on OpenVINO GenAI's `ContinuousBatchingPipeline` over a target IR exported with
 optimum-intel (int8 weights, f32 inference: bf16 hurts SmolLM2), fed token ids directly so the
 tokenizer used is exactly the repaired HF one.
-Run: `python -m ovdflash_export.data --ov-model DIR --hf-model DIR --prompts models/prompts --out models/smollm2/data`.
+Run: `python -m ovdflash_export.training.data --ov-model DIR --hf-model DIR --prompts models/prompts --out models/smollm2/data`.
 """
 from __future__ import annotations
 
@@ -217,7 +217,7 @@ def _open_work(hf_model_dir, prompts_dir, out_dir, split: str, sample_reps: int,
     prompts of `domains`."""
     from transformers import AutoTokenizer
 
-    from ovdflash_export.prompts import load_prompts
+    from .prompts import load_prompts
 
     domains = check_domains(domains)
     tok = AutoTokenizer.from_pretrained(str(hf_model_dir))
@@ -274,7 +274,7 @@ def generate_dataset(ov_model_dir, hf_model_dir, prompts_dir, out_dir, *, max_ne
     import openvino_genai as og
 
     tok, eos, writer, work = _open_work(hf_model_dir, prompts_dir, out_dir, split, sample_reps, domains)
-    with writer:  # closing packs the directory, also when a run is stopped (ovdflash_export.data docstring)
+    with writer:  # closing packs the directory, also when a run is stopped (ovdflash_export.training.data docstring)
         log(f"{len(work)} generations to do ({len(writer.done)} already stored)")
 
         sc = og.SchedulerConfig()
@@ -354,7 +354,7 @@ def generate_dataset_torch(hf_model_dir, prompts_dir, out_dir, *, max_new_tokens
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     tok, eos, writer, work = _open_work(hf_model_dir, prompts_dir, out_dir, split, sample_reps, domains)
-    with writer:  # closing packs the directory, also when a run is stopped (ovdflash_export.data docstring)
+    with writer:  # closing packs the directory, also when a run is stopped (ovdflash_export.training.data docstring)
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos
         model = AutoModelForCausalLM.from_pretrained(str(hf_model_dir), dtype=torch.float32).to(dev).eval()
         log(f"{len(work)} generations to do ({len(writer.done)} already stored), device {dev}")
