@@ -5,11 +5,14 @@ import numpy as np
 import pytest
 import torch
 
-from ovdflash_export.training.data import ShardWriter, load_sequences
 from ovdflash_export.drafter import VAL_SEED_KEY, DFlashDrafter
 from ovdflash_export.tiny import make_tiny_target
-from ovdflash_export.training.train import (STATE_NAME, FrozenTarget, TrainConfig, chain_labels, most_used_ids, slot_weights,
-                                   soft_ce, split_train_val, train)
+from ovdflash_export.training.batch import chain_labels, split_train_val
+from ovdflash_export.training.config import TrainConfig
+from ovdflash_export.training.data import ShardWriter, load_sequences
+from ovdflash_export.training.loss import slot_weights, soft_ce
+from ovdflash_export.training.target import FrozenTarget
+from ovdflash_export.training.train import STATE_NAME, most_used_ids, train
 
 VOCAB = 512
 
@@ -241,7 +244,8 @@ def test_loss_falls_and_checkpoint_loads(tiny_setup):
 
 def test_folded_checkpoint_takes_raw_features(tiny_setup):
     """The saved drafter on raw features equals the trained one on scaled features."""
-    from ovdflash_export.training.train import build_batch, FeatureStore
+    from ovdflash_export.training.batch import build_batch
+    from ovdflash_export.training.target import FeatureStore
 
     target, data, root = tiny_setup
     out = root / "run_fold"
@@ -279,7 +283,9 @@ def test_resume_reproduces_uninterrupted_run(tiny_setup):
 
 def test_a_short_training_block_is_what_a_short_drafting_pass_computes(tiny_setup):
     """block_len / short_blocks cut blocks as the runtime does when it verifies fewer drafts."""
-    from ovdflash_export.training.train import blocks_forward, build_batch, FeatureStore
+    from ovdflash_export.training.batch import build_batch
+    from ovdflash_export.training.loss import blocks_forward
+    from ovdflash_export.training.target import FeatureStore
 
     target, data, root = tiny_setup
     ft = FrozenTarget(target, [0, 2], "cpu")
@@ -308,7 +314,7 @@ def test_a_short_training_block_is_what_a_short_drafting_pass_computes(tiny_setu
 
 
 def test_pick_batch_walks_new_sequences_in_order():
-    from ovdflash_export.training.train import pick_batch
+    from ovdflash_export.training.batch import pick_batch
 
     train_idx = list(range(100, 140))
     seen = set()
@@ -323,7 +329,7 @@ def test_pick_batch_walks_new_sequences_in_order():
 
 
 def test_interleave_sources_deals_round_robin():
-    from ovdflash_export.training.train import interleave_sources
+    from ovdflash_export.training.batch import interleave_sources
 
     source = [0] * 10 + [1] * 3 + [2] * 5
     idxs = list(range(18))

