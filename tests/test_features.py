@@ -9,7 +9,7 @@ from ovdflash import STRICT_F32
 from ovdflash_export.training.data import ShardWriter, load_sequences
 from ovdflash_export.training.features import FEATS, INDEX, TOPK_IDS, TOPK_LOGP, FeatureFile, fill_topk, precompute_features
 from ovdflash_export.training.config import TrainConfig
-from ovdflash_export.training.target import FeatureStore, FrozenTarget, PrecomputedStore
+from ovdflash_export.training.target_features import FeatureStore, FrozenTarget, PrecomputedStore
 from ovdflash_export.training.train import train
 
 

@@ -11,7 +11,7 @@ from ovdflash_export.training.batch import chain_labels, split_train_val
 from ovdflash_export.training.config import TrainConfig
 from ovdflash_export.training.data import ShardWriter, load_sequences
 from ovdflash_export.training.loss import slot_weights, soft_ce
-from ovdflash_export.training.target import FrozenTarget
+from ovdflash_export.training.target_features import FrozenTarget
 from ovdflash_export.training.train import STATE_NAME, most_used_ids, train
 
 VOCAB = 512
@@ -245,7 +245,7 @@ def test_loss_falls_and_checkpoint_loads(tiny_setup):
 def test_folded_checkpoint_takes_raw_features(tiny_setup):
     """The saved drafter on raw features equals the trained one on scaled features."""
     from ovdflash_export.training.batch import build_batch
-    from ovdflash_export.training.target import FeatureStore
+    from ovdflash_export.training.target_features import FeatureStore
 
     target, data, root = tiny_setup
     out = root / "run_fold"
@@ -285,7 +285,7 @@ def test_a_short_training_block_is_what_a_short_drafting_pass_computes(tiny_setu
     """block_len / short_blocks cut blocks as the runtime does when it verifies fewer drafts."""
     from ovdflash_export.training.batch import build_batch
     from ovdflash_export.training.loss import blocks_forward
-    from ovdflash_export.training.target import FeatureStore
+    from ovdflash_export.training.target_features import FeatureStore
 
     target, data, root = tiny_setup
     ft = FrozenTarget(target, [0, 2], "cpu")

@@ -16,7 +16,7 @@ import torch
 
 from .data import Sequence
 from .prompts import root_prompt_id
-from .target import FeatureStore
+from .target_features import FeatureStore
 
 
 def split_train_val(seqs: list[Sequence], fraction: float, seed: int):

@@ -23,7 +23,7 @@ from .batch import build_batch
 from .config import TrainConfig
 from .data import load_sequences
 from .loss import blocks_forward, drafter_logits, slot_weights, weighted_ce
-from .target import FeatureStore, FrozenTarget, pick_device, precomputed_store
+from .target_features import FeatureStore, FrozenTarget, pick_device, precomputed_store
 
 
 @torch.no_grad()

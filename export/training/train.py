@@ -2,19 +2,20 @@
 
 Contract:
 - `train(cfg: TrainConfig) -> Path` (options: `config.TrainConfig`) trains
-  `ovdflash_export.drafter.DFlashDrafter` on sequences stored by `ovdflash_export.training.data` (token ids: chat prompt +
-  target-regenerated response) and writes a z-lab checkpoint (config.json + model.safetensors, no embedding / lm_head) to
-  `cfg.out_dir`, loadable with `DFlashDrafter.from_pretrained` and by `ovdflash export`.
-- The target is frozen and never saved (`target.FrozenTarget`); `feature_cache_gb` keeps its
-  features (fp16) in memory so later epochs skip the target, and `features_root` reads those the
-  deployed OpenVINO target precomputed (`features.py`).
+  `ovdflash_export.drafter.DFlashDrafter` on sequences stored by `ovdflash_export.training.data`
+  (token ids: chat prompt + target-regenerated response) and writes a z-lab checkpoint
+  (config.json + model.safetensors, no embedding / lm_head) to `cfg.out_dir`, loadable with
+  `DFlashDrafter.from_pretrained` and by `ovdflash export`.
+- The target is frozen and never saved (`target_features.FrozenTarget`); `feature_cache_gb` keeps
+  its features (fp16) in memory so later epochs skip the target, and `features_root` reads those
+  the deployed OpenVINO target precomputed (`features.py`).
 - A run is named steps: `TrainingRun` builds the drafter (`build_drafter`), loads the data
   (`TrainingData`), chooses the scored vocabulary and feature scales, makes the optimizer
   (`make_optimizer`) and starts it (warm start or resume); then `train_step` / `validate` / `save`
   until the schedule (`schedule_progress`) ends.
-- Objective: per sequence, random anchors p in the response; block
+- Objective: per sequence, random anchors p in the response (`batch.build_batch`); block
   `[x_p, MASK*(B-1)]` at positions p..p+B-1; a block sees context features j < p and its own
-  block (bidirectional); slot k labels x_{p+k}; CE weighted by exp(-(k-1)/gamma) / sum.
+  block (bidirectional); slot k labels x_{p+k}; CE weighted by exp(-(k-1)/gamma) / sum (`loss`).
   With `short_blocks` f, a fraction f of the blocks is cut to a random length L in 2..B-1 (the
   block sees only its first L tokens, slots >= L are unlabelled), as a runtime verifying L-1
   drafts would run it; the saved config then carries `ovdflash_short_blocks` = f.
@@ -67,7 +68,7 @@ from .config import TrainConfig
 from .data import load_sequences
 from .evaluate import evaluate
 from .loss import blocks_forward, mixed_precision, slot_weights, soft_ce, weighted_ce
-from .target import FeatureStore, FrozenTarget, PrecomputedStore, pick_device, precomputed_store
+from .target_features import FeatureStore, FrozenTarget, PrecomputedStore, pick_device, precomputed_store
 
 STATE_NAME = "train_state.pt"
 LOG_NAME = "train_log.jsonl"
