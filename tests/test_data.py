@@ -1,8 +1,6 @@
-"""Training-data storage (crash-safe resume, packed at rest), the shipped prompt pool's
-train/eval split, and the repository staying small enough to travel to a lent GPU machine."""
+"""Training-data storage (crash-safe resume, packed at rest), the shipped prompt pools' train/eval
+split, and the shipped data sets: packed, readable whole, each answering the pool it is named after."""
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +11,9 @@ from ovdflash_export.training.data import (ShardWriter, _work_list, data_summary
 from ovdflash_export.training.prompts import load_prompts, write_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = ROOT / "models" / "prompts"
+PROMPTS = ROOT / "models" / "prompts"              # the eval sets, shipped with the runtime
+POOLS = ROOT / "models" / "data" / "prompts"        # the train prompt pools
+DATA = ROOT / "models" / "data" / "smollm2"         # SmolLM2's replies, one directory per pool
 
 
 def test_shard_writer_round_trip_and_resume_after_torn_write(tmp_path):
@@ -80,32 +80,26 @@ def test_prompt_files_read_the_same_plain_or_packed(tmp_path):
         load_prompts(tmp_path / "train_code.jsonl")
 
 
-def _tracked_files() -> list[Path]:
-    try:
-        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-        return [ROOT / p for p in out.decode().split("\0") if p]
-    except (OSError, subprocess.CalledProcessError):   # not a git checkout: every file but the usual ignores
-        skip = {".git", ".venv", "__pycache__", ".pytest_cache"}
-        return [Path(d) / f for d, dirs, files in os.walk(ROOT) if not dirs.__setitem__(
-            slice(None), [x for x in dirs if x not in skip and not x.endswith(".egg-info")]) for f in files]
+def _pool_ids(pool: Path, split: str = "train") -> set[str]:
+    return {r["id"] for d in ("code", "math", "chat") for r in load_prompts(pool / f"{split}_{d}.jsonl")}
 
 
-def test_the_repository_leaves_room_in_a_gpu_machine_call():
-    # A lent GPU machine receives the working tree and carried files, 64 MiB in all: the target's
-    # weights (a 98 MB GGUF) must travel in pieces beside the tree, so the tree stays far below.
-    files = [p for p in _tracked_files() if p.is_file()]
-    total = sum(p.stat().st_size for p in files)
-    assert total < 40 * 2**20, f"tracked files hold {total / 2**20:.1f} MiB"
-    plain = [p for p in files if p.name in ("tokens.bin", "index.jsonl") and "models" in p.parts]
-    assert not plain, f"data directories must be committed packed: {plain[:3]}"
-
-
-def test_the_shipped_data_directories_read_whole():
-    dirs = sorted(p for p in (ROOT / "models" / "smollm2").iterdir() if (p / "meta.json").is_file())
-    assert len(dirs) >= 9
+def test_every_shipped_data_set_is_packed_reads_whole_and_answers_its_pool():
+    dirs = sorted(p for p in DATA.iterdir() if p.is_dir())
+    pools = sorted(p.name for p in POOLS.iterdir() if p.is_dir())
+    # every pool has been answered, and every data set but the eval replies and the foreign text answers a pool
+    assert sorted({d.name for d in dirs} - {"eval", "stdlib_text"}) == pools
     for d in dirs:
+        assert sorted(p.name for p in d.iterdir()) == ["index.jsonl.xz", "meta.json", "tokens.bin.xz"], d
         rows, tokens = read_index(d), read_tokens(d)
         assert rows and max(r["offset"] + r["total_len"] for r in rows) == tokens.size, d
+        asked = {r["prompt_id"] for r in rows}
+        if d.name == "stdlib_text":
+            assert {r["mode"] for r in rows} == {"text"}
+        elif d.name == "eval":
+            assert asked == _pool_ids(PROMPTS, "eval")
+        else:
+            assert asked <= _pool_ids(POOLS / d.name), d
 
 
 def test_work_list_skips_done_and_interleaves_domains():
@@ -117,7 +111,8 @@ def test_work_list_skips_done_and_interleaves_domains():
 
 
 def _rows(name):
-    return load_prompts(PROMPTS / name)
+    """A file of the first-turn pool: its eval sets ship with the runtime, its train pool with the data."""
+    return load_prompts((PROMPTS if name.startswith("eval_") else POOLS / "turn1") / name)
 
 
 def test_eval_prompts_never_enter_training():
@@ -290,10 +285,10 @@ def test_a_followup_of_a_followup_keeps_the_whole_conversation(tmp_path):
 
 
 def test_shipped_followup_pools_hold_no_eval_prompt():
-    for name, turns in (("prompts_followup", 2), ("prompts_followup2b", 2), ("prompts_followup3", 3),
-                        ("prompts_followup4", 4), ("prompts_followup3b", 3)):
+    for name, turns in (("turn2", 2), ("turn2_asked_again", 2), ("turn3", 3), ("turn4", 4),
+                        ("turn3_asked_again", 3)):
         for d in ("code", "math", "chat"):
-            rows = load_prompts(PROMPTS.parent / name / f"train_{d}.jsonl")
+            rows = load_prompts(POOLS / name / f"train_{d}.jsonl")
             train_firsts = {r["turns"][0] for r in _rows(f"train_{d}.jsonl")}
             assert len(rows) >= 200
             assert {r["turns"][0] for r in rows} <= train_firsts
@@ -346,7 +341,7 @@ def test_wide_pool_avoids_eval_prompts_and_rebuilds_identically(tmp_path):
 
 def test_shipped_wide_pool_holds_no_eval_prompt():
     for d in ("code", "chat"):
-        rows = load_prompts(PROMPTS.parent / "prompts_wide" / f"train_{d}.jsonl")
+        rows = load_prompts(POOLS / "turn1_stdlib_code_wide_chat" / f"train_{d}.jsonl")
         assert len(rows) >= 500 and len({r["id"] for r in rows}) == len(rows)
         assert not {r["turns"][0] for r in rows} & {r["turns"][0] for r in _rows(f"eval_{d}.jsonl")}
         assert not {r["turns"][0] for r in rows} & {r["turns"][0] for r in _rows(f"train_{d}.jsonl")}
@@ -376,20 +371,20 @@ def test_chat2_pool_avoids_eval_and_earlier_first_turns_and_rebuilds_identically
 
 
 def test_shipped_chat2_pool_asks_nothing_asked_before():
-    rows = load_prompts(PROMPTS.parent / "prompts_chat2" / "train_chat.jsonl")
+    rows = load_prompts(POOLS / "turn1_chat_more_topics" / "train_chat.jsonl")
     assert len(rows) >= 1000 and len({r["id"] for r in rows}) == len(rows)
     firsts = {r["turns"][0] for r in rows}
     assert len(firsts) == len(rows)
-    for pool in ("prompts", "prompts_wide"):
-        assert not firsts & {r["turns"][0] for r in load_prompts(PROMPTS.parent / pool / "train_chat.jsonl")}
+    for pool in ("turn1", "turn1_stdlib_code_wide_chat"):
+        assert not firsts & {r["turns"][0] for r in load_prompts(POOLS / pool / "train_chat.jsonl")}
     assert not firsts & {r["turns"][0] for d in ("code", "math", "chat") for r in _rows(f"eval_{d}.jsonl")}
 
 
 def test_shipped_wide_followup_pool_asks_second_turns_of_wide_prompts_only():
     for d in ("code", "chat"):
-        wide = PROMPTS.parent / "prompts_wide" / f"train_{d}.jsonl"
+        wide = POOLS / "turn1_stdlib_code_wide_chat" / f"train_{d}.jsonl"
         firsts = {r["turns"][0] for r in load_prompts(wide)}
-        rows = load_prompts(PROMPTS.parent / "prompts_wide_followup" / f"train_{d}.jsonl")
+        rows = load_prompts(POOLS / "turn2_stdlib_code_wide_chat" / f"train_{d}.jsonl")
         assert len(rows) >= 200 and len({r["id"] for r in rows}) == len(rows)
         assert {r["turns"][0] for r in rows} <= firsts
         assert not {r["turns"][0] for r in rows} & {r["turns"][0] for r in _rows(f"eval_{d}.jsonl")}

@@ -16,12 +16,13 @@
 #           (no OpenVINO feature pass) and writes the checkpoint (f16) and its log to $OUT/drafter.
 #           A rerun in the same warm machine resumes the training ($STAGE/state).
 #           GEN_MINUTES (default 0) first spends that long on sampled chat replies (GEN_REPS passes
-#           in all, default 4, over the chat pools GEN_POOLS: chat2 and the five follow-up pools)
-#           and returns them in $OUT/gpu_data.tar: untar it into models/smollm2/ (the directories
-#           only grew).
+#           in all, default 4, over the chat prompts of the pools GEN_POOLS: the extra chat first
+#           turns and the five later-turn pools) and returns them in $OUT/gpu_data.tar: untar it
+#           into models/data/smollm2/ (the directories only grew).
 #
-# The recipe is run 14's (models/smollm2_dflash/TRAINING.md), warm-started from the shipped
-# drafter, on every data directory, with a GPU's batch; TRAIN_ARGS appends or overrides options
+# The recipe is the shipped drafter's (models/smollm2_dflash/TRAINING.md), warm-started from the shipped
+# drafter, on every data set of models/data/smollm2 but the held-out replies (eval) and the foreign
+# text, with a GPU's batch; TRAIN_ARGS appends or overrides options
 # (click takes the last value). DEVICE (default cuda) and PYTHON (default python3) are for the
 # dry run on a CPU: `DEVICE=cpu MINUTES=0.3 STAGE=/tmp/stage OUT=/tmp/out PYTHON=.venv/bin/python`.
 set -euo pipefail
@@ -70,28 +71,28 @@ device() {
             "$gguf" "$hf" && touch "$hf/.complete"
     fi
     # GEN_MINUTES > 0: first, more sampled chat replies (the drafter's weakest domain) to the
-    # follow-up pools' chat prompts, written into copies of their data directories (the rows they
-    # hold are skipped), trained on, and returned packed in $OUT/gpu_data.tar
-    local data=() gen="$stage/gen" dirs="data data_followup data_followup2b data_followup3 data_followup3b data_followup4 data_wide data_wide_followup data_chat2"
-    local pools="${GEN_POOLS:-chat2 followup followup2b followup3 followup3b followup4}"
+    # pools' chat prompts, written into copies of their data sets (a data set is named as the pool
+    # it answers; the rows it holds are skipped), trained on, and returned packed in $OUT/gpu_data.tar
+    local data=() gen="$stage/gen" sets="turn1 turn2 turn2_asked_again turn3 turn3_asked_again turn4 turn1_stdlib_code_wide_chat turn2_stdlib_code_wide_chat turn1_chat_more_topics"
+    local pools="${GEN_POOLS:-turn1_chat_more_topics turn2 turn2_asked_again turn3 turn3_asked_again turn4}"
     if [ "${GEN_MINUTES:-0}" != 0 ]; then
         local per_pool
         per_pool=$("$PYTHON" -c "import sys; print(float(sys.argv[1]) / len(sys.argv[2].split()))" "$GEN_MINUTES" "$pools")
         mkdir -p "$gen"
         for pool in $pools; do
-            [ -d "$gen/data_$pool" ] || cp -r "models/smollm2/data_$pool" "$gen/"
+            [ -d "$gen/$pool" ] || cp -r "models/data/smollm2/$pool" "$gen/"
             "$PYTHON" -u -m ovdflash_export.training.data --backend torch --device "${DEVICE:-cuda}" --hf-model "$hf" \
-                --prompts "models/prompts_$pool" --out "$gen/data_$pool" --domains chat \
+                --prompts "models/data/prompts/$pool" --out "$gen/$pool" --domains chat \
                 --sample-reps "${GEN_REPS:-4}" --batch "${GEN_BATCH:-256}" --minutes "$per_pool" 2>&1 | tail -3
         done
-        (cd "$gen" && tar cf "$out/gpu_data.tar" $(for pool in $pools; do echo "data_$pool"; done))
+        (cd "$gen" && tar cf "$out/gpu_data.tar" $pools)
     fi
-    for d in $dirs; do
-        if [ -d "$gen/$d" ]; then data+=(--data "$gen/$d"); else data+=(--data "models/smollm2/$d"); fi
+    for d in $sets; do
+        if [ -d "$gen/$d" ]; then data+=(--data "$gen/$d"); else data+=(--data "models/data/smollm2/$d"); fi
     done
     # shellcheck disable=SC2086
     "$PYTHON" -u -c "from ovdflash.cmd_train import train; train()" --target "$hf" "${data[@]}" \
-        --eval-data models/smollm2/data_eval --out "$stage/run" --state-dir "$stage/state" \
+        --eval-data models/data/smollm2/eval --out "$stage/run" --state-dir "$stage/state" \
         --init-from models/smollm2_dflash --layers 1 --block-size 8 --target-layer-ids 1,8,14,20,27 \
         --mask-token-id 16 --anchors 48 --batch 32 --max-len 768 --lr 3e-4 --warmup 30 \
         --minutes "${MINUTES:-7}" --gamma 2 --kd-weight 0.5 --ce-vocab-size 3000 --short-blocks 0.5 \

@@ -38,7 +38,7 @@ Contract:
 Why: on 2 CPU cores the torch target forward was the slowest part of a training step, and it is
 the same computation every epoch. The OpenVINO int8 target is also what verifies the drafts at
 run time, so its features and greedy tokens are exactly what the drafter sees and must match.
-Run: `python -m ovdflash_export.training.features --model MODEL_DIR --data models/smollm2/data --out DIR`.
+Run: `python -m ovdflash_export.training.features --model MODEL_DIR --data models/data/smollm2/turn1 --out DIR`.
 Give every data directory in one run (`--data A --data B ...`), so prefixes shared across them run once.
 `--inference-precision bf16` computes them 3.2x faster on an AMX CPU and 1.9x on Zen 4 (AVX-512
 bf16, no AMX; features within ~0.3 %, greedy next tokens 99.2 % equal to f32's; TRAINING.md, run 11

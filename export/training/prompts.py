@@ -1,7 +1,8 @@
 """The offline prompt pool for drafter training and the benchmark's held-out eval sets.
 
-Contract: `build_prompt_pool(out_dir, cache_dir)` writes, per domain d in (code, math, chat),
-`train_<d>.jsonl` and `eval_<d>.jsonl`, one prompt per line:
+Contract: `build_prompt_pool(out_dir, cache_dir, eval_dir=None)` writes, per domain d in (code,
+math, chat), `train_<d>.jsonl` into out_dir and `eval_<d>.jsonl` into eval_dir (default: out_dir;
+the shipped ones are `models/prompts`, the runtime's eval sets), one prompt per line:
 `{"id": str, "domain": d, "source": str, "turns": [user message, ...]}` (z-lab's `turns` shape).
 Train files are stored xz-packed (`train_<d>.jsonl.xz`); `load_prompts` reads either form.
 Eval prompts never enter training: they are chosen first (fixed seed) and removed from the pool,
@@ -13,7 +14,7 @@ Sources (all offline):
   its `coding` category goes to code, `math` to math, the rest to chat;
 - the project's own templated lists (code tasks, GSM8K-style word problems, general chat), whose
   word lists are the data files `templates/*.json`.
-Run: `python -m ovdflash_export.training.prompts --out models/prompts`.
+Run: `python -m ovdflash_export.training.prompts --out models/data/prompts/turn1 --eval-out models/prompts`.
 
 Follow-ups (a second pool, `build_followup_pool(data_dir, prompts_dir, hf_model_dir, out_dir)`):
 every finished response stored in a data directory (greedy or sampled, at most
@@ -26,8 +27,8 @@ Applied to a follow-up pool and its data directory, it adds a third turn the sam
 earlier exchange kept; the new request differs from the earlier one); conversations longer than
 `max_conversation_tokens` (prompt + reply) are skipped, so no prompt gets cut.
 Rows are shuffled (fixed seed), so a generation stopped early still covers every source.
-Run: `python -m ovdflash_export.training.prompts --followups-from models/smollm2/data --hf-model HF_DIR
---out models/prompts_followup`.
+Run: `python -m ovdflash_export.training.prompts --followups-from models/data/smollm2/turn1
+--hf-model HF_DIR --out models/data/prompts/turn2`.
 
 Wider first-turn pools: `--wide` (`build_wide_pool`: standard-library function completions and
 MT-Bench-category chat over a second topic list) and `--chat2` (`build_chat2_pool`: more chat
@@ -308,9 +309,11 @@ def mtbench_prompts(cache_dir: Path) -> list[dict]:
 
 
 # ------------------------------------------------------------------ pool
-def build_prompt_pool(out_dir, cache_dir=None) -> dict:
-    """Write train_/eval_<domain>.jsonl into out_dir; returns {file name: row count}."""
+def build_prompt_pool(out_dir, cache_dir=None, eval_dir=None) -> dict:
+    """Write train_<domain>.jsonl into out_dir and eval_<domain>.jsonl into eval_dir (default:
+    out_dir); returns {file name: row count}."""
     out_dir = Path(out_dir)
+    eval_dir = Path(eval_dir) if eval_dir else out_dir
     cache_dir = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "ovdflash" / "downloads"
     rng = random.Random(SEED)
     self_written = {"code": _code_prompts(rng), "math": _math_prompts(rng), "chat": _chat_prompts(rng)}
@@ -339,12 +342,13 @@ def build_prompt_pool(out_dir, cache_dir=None) -> dict:
     }
     counts = {}
     out_dir.mkdir(parents=True, exist_ok=True)
+    eval_dir.mkdir(parents=True, exist_ok=True)
     for d in DOMAINS:
         held = {r["id"] for r in evals[d]}
         train = [r for r in pool[d] if r["id"] not in held]
         # MT-Bench math goes to the math eval too? No: only to training; the eval is hand-written.
         for name, rows in ((f"train_{d}.jsonl", train), (f"eval_{d}.jsonl", evals[d][:EVAL_PER_DOMAIN])):
-            counts[name] = write_prompts(out_dir / name, [{k: r[k] for k in ("id", "domain", "source", "turns")}
+            counts[name] = write_prompts((out_dir if name.startswith("train_") else eval_dir) / name, [{k: r[k] for k in ("id", "domain", "source", "turns")}
                                                          for r in rows], pack=name.startswith("train_"))
     return counts
 
@@ -466,12 +470,17 @@ def load_prompts(path) -> list[dict]:
 if __name__ == "__main__":
     import argparse
 
+    from . import EVAL_PROMPTS, PROMPT_POOLS
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="models/prompts")
+    ap.add_argument("--out", default=f"{PROMPT_POOLS}/turn1")
+    ap.add_argument("--eval-out", default=EVAL_PROMPTS, help="the first-turn pool's eval sets (default: %(default)s)")
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--followups-from", default=None, metavar="DATA_DIR",
                     help="write the follow-up pool from this data directory's responses instead")
-    ap.add_argument("--prompts", default="models/prompts", help="with --followups-from: the first turns' pool")
+    ap.add_argument("--prompts", default=None,
+                    help=f"with --followups-from: the pool the data directory answered (default: {PROMPT_POOLS}/turn1); "
+                         f"with --wide or --chat2: the directory of the eval sets to avoid (default: {EVAL_PROMPTS})")
     ap.add_argument("--hf-model", default=None, help="with --followups-from: the target's HF directory (tokenizer)")
     ap.add_argument("--max-reply-tokens", type=int, default=256)
     ap.add_argument("--max-conversation-tokens", type=int, default=512,
@@ -489,6 +498,7 @@ if __name__ == "__main__":
                          "first turns of every --avoid pool")
     ap.add_argument("--seed", type=int, default=SEED)
     args = ap.parse_args()
+    args.prompts = args.prompts or (EVAL_PROMPTS if args.wide or args.chat2 else f"{PROMPT_POOLS}/turn1")
     if args.avoid and not args.variant and not args.chat2:
         ap.error("--avoid needs --variant N (N >= 1), or the new pool's ids would repeat the earlier pool's")
     if args.chat2:
@@ -502,4 +512,4 @@ if __name__ == "__main__":
                                              args.max_reply_tokens, args.max_conversation_tokens, args.seed,
                                              args.variant, tuple(args.avoid)), indent=1))
     else:
-        print(json.dumps(build_prompt_pool(args.out, args.cache_dir), indent=1))
+        print(json.dumps(build_prompt_pool(args.out, args.cache_dir, args.eval_out), indent=1))

@@ -14,7 +14,7 @@ Contract:
   (~100 tok/s), and still yields exact greedy-continuation labels for the drafter's first slots.
 - Deterministic for a given stdlib and seed; resumable like the generator (prompt ids are the
   source file and chunk number).
-Run: `python -m ovdflash_export.training.textdata --tokenizer DIR --out models/smollm2/text`.
+Run: `python -m ovdflash_export.training.textdata --tokenizer DIR --out models/data/smollm2/stdlib_text`.
 """
 from __future__ import annotations
 
@@ -113,9 +113,11 @@ def build_text_dataset(tokenizer_dir, out_dir, code_tokens: int = 800_000, prose
 if __name__ == "__main__":
     import argparse
 
+    from . import SMOLLM2_DATA
+
     ap = argparse.ArgumentParser(description="Build teacher-forced drafter data from the Python stdlib.")
     ap.add_argument("--tokenizer", required=True, help="HF directory with the target's tokenizer")
-    ap.add_argument("--out", default="models/smollm2/text")
+    ap.add_argument("--out", default=f"{SMOLLM2_DATA}/stdlib_text")
     ap.add_argument("--code-tokens", type=int, default=800_000)
     ap.add_argument("--prose-tokens", type=int, default=300_000)
     ap.add_argument("--seed", type=int, default=0)
