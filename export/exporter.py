@@ -254,6 +254,17 @@ def _eos_bos(target_dir: Path, tcfg: dict, tok_cfg: dict, tokenizer_json: dict):
     return eos, (int(bos) if bos is not None else None)
 
 
+def _hybrid_keys(info: PairInfo) -> dict:
+    """A linear-attention target runs on the hybrid runner only; its layout goes to the manifest."""
+    from .target import HYBRID_ARCHS
+
+    if info.arch not in HYBRID_ARCHS:
+        return {}
+    from .qwen3_5 import hybrid_geometry
+
+    return {"target_runner": "hybrid", "hybrid": hybrid_geometry(info.target_config)}
+
+
 def check_default_block_size(value, block_size: int) -> int | str:
     """The runtime's rule (`ovdflash.manifest.parse_default_block_size`), as an ExportError."""
     try:
@@ -291,6 +302,9 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
 
     step("validating the pair")
     info = validate_pair(target, drafter, block_size)
+    if not int(info.target_config.get("max_position_embeddings") or 0):
+        raise ExportError("the target's config.json names no max_position_embeddings (its context length); "
+                          "add it to the config before exporting")
     dcfg = info.drafter_config
     bs = dcfg.block_size if block_size is None else int(block_size)
     default_block_size = check_default_block_size(default_block_size, bs)
@@ -357,12 +371,13 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
             "eos_token_ids": eos,
             "bos_token_id": bos,
             "vocab_size": info.vocab_size,
-            "max_position_embeddings": int(info.target_config.get("max_position_embeddings", 0)) or None,
+            "max_position_embeddings": int(info.target_config["max_position_embeddings"]),
             "target": {
                 "arch": info.arch, "num_layers": info.num_layers, "hidden_size": info.hidden_size,
                 "weight_format": target_weight_format, "source": str(target.resolve()),
                 "source_sha256": source_sha256(target),
             },
+            **_hybrid_keys(info),
             "drafter": {
                 "num_layers": dcfg.num_hidden_layers, "hidden_size": dcfg.hidden_size,
                 "weight_format": drafter_weight_format, "source": str(drafter.resolve()),

@@ -3,7 +3,8 @@
 Contract: the reply streams to stdout block by block; one stats line per turn goes to stderr.
 Commands: /reset (forget the conversation), /stats (cumulative stats), /quit (or Ctrl-D).
 Ctrl-C while a reply streams stops that reply (the partial reply stays in the history) and
-keeps the session. `--prompt TEXT` answers one message non-interactively and exits.
+keeps the session. `--prompt TEXT` answers one message non-interactively and exits: 0 when
+the reply is complete, 130 when Ctrl-C cut it (after printing what it had), 1 or 2 on an error.
 """
 from __future__ import annotations
 
@@ -105,13 +106,17 @@ def chat(model_dir, prompt, system, temperature, top_p, top_k, max_new_tokens, b
                    seed=seed, block_size=block_size, draft=not no_draft)
     base = [{"role": "system", "content": system}] if system else []
 
+    interrupted = False
+
     def reply(messages) -> str | None:
+        nonlocal interrupted
         text = ""
         try:
             for chunk in pipe.stream(messages, **options):
                 click.echo(chunk, nl=False)
                 text += chunk
         except KeyboardInterrupt:
+            interrupted = True
             click.echo(" [stopped]", nl=False)
         except ValueError as exc:  # e.g. the conversation no longer fits the context
             click.echo(f"error: {exc}" + ("" if prompt is not None else " (/reset starts over)"), err=True)
@@ -123,6 +128,8 @@ def chat(model_dir, prompt, system, temperature, top_p, top_k, max_new_tokens, b
     if prompt is not None:
         if reply(base + [{"role": "user", "content": prompt}]) is None:
             raise SystemExit(1)
+        if interrupted:  # a cut reply is not a complete one: exit as shells do after Ctrl-C
+            raise SystemExit(130)
         return
 
     click.echo(HELP, err=True)

@@ -41,9 +41,13 @@ Contract:
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
+
+import numpy as np
 
 from . import engine
 from .block_policy import BlockPolicy, measure_costs
@@ -99,6 +103,9 @@ class DFlashPipeline:
         self.block_policy: BlockPolicy | None = None  # for block_size="auto"; built on first use
         self.prompt_lookup = prompt_lookup  # n-gram lookup drafts beside the drafter's (ovdflash.lookup)
         self.numerics: Numerics | None = None  # the target's precisions, when built by from_pretrained
+        self.vocab_size: int | None = None  # token ids must be below it, when known
+        self._busy = threading.Lock()  # one generation at a time: the runners hold one sequence's caches
+        self._busy_thread: int | None = None
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path | None = None, device: str = "CPU", draft: bool = True,
@@ -124,6 +131,7 @@ class DFlashPipeline:
                    manifest["mask_token_id"], model_dir, manifest.get("bos_token_id"),
                    manifest["default_block_size"], prompt_lookup)
         pipe.numerics = numerics
+        pipe.vocab_size = manifest.get("vocab_size")
         if release_weight_pages:
             pipe.release_weight_pages()
         return pipe
@@ -140,6 +148,9 @@ class DFlashPipeline:
             for _ in self.generate_tokens(prompt, 3, block_size=block, eos_token_ids=(), prompt_lookup=False):
                 pass
         self.stats, self.last_stats = kept
+        for runner in (self.target, self.drafter):  # leave them as freshly loaded
+            if runner is not None:
+                runner.reset()
         if self.model_dir is None:
             return 0
         return release_mapped_files([self.model_dir / "target" / "openvino_model.bin",
@@ -155,10 +166,14 @@ class DFlashPipeline:
         params = SamplingParams(temperature, top_p, top_k, seed)
         if draft and self.drafter is None:
             raise ValueError("draft=True, but this pipeline was loaded without a drafter")
+        prompt_ids = check_token_ids(prompt_ids, self.vocab_size)
+        check_positive_int("max_new_tokens", max_new_tokens)
         block_size = self.default_block_size if block_size is None else block_size
         auto = block_size == "auto"
-        if isinstance(block_size, str) and not auto:
-            raise ValueError(f"block_size must be an integer or 'auto', got {block_size!r}")
+        if not auto:
+            check_positive_int("block_size", block_size, "an integer or 'auto'")
+            if block_size > self.block_size and draft is not False:
+                raise ValueError(f"block_size {block_size} exceeds the drafter's trained block size {self.block_size}")
         use_drafter = self.drafter if draft is not False and (auto or block_size > 1) else None
         policy = self.auto_block_policy() if auto and use_drafter is not None else None
         if auto:
@@ -171,6 +186,21 @@ class DFlashPipeline:
                                  block_size if use_drafter is not None else 1, call_stats, policy, lookup)
         return self._recorded(events, call_stats, stats)
 
+    @contextmanager
+    def _exclusive(self):
+        """Hold the pipeline for one generation. Another thread waits its turn; the same thread
+        (an unfinished stream, then another call) is refused, since its generation would be lost."""
+        me = threading.get_ident()
+        if self._busy_thread == me:
+            raise RuntimeError("this pipeline is already generating in this thread (an unfinished stream or "
+                               "generator?); finish or close() it before starting another call")
+        with self._busy:
+            self._busy_thread = me
+            try:
+                yield
+            finally:
+                self._busy_thread = None
+
     def auto_block_policy(self) -> BlockPolicy:
         """The policy behind block_size="auto": on first use, measures the verify cost of
         1..CALIBRATED_DRAFTS + 1 tokens and the draft cost on the real models, extended linearly
@@ -180,20 +210,22 @@ class DFlashPipeline:
                 raise ValueError("block_size='auto' needs a drafter")
             prompt = (self.encode_prompt([{"role": "user", "content": CALIBRATION_PROMPT}]) if self.tokenizer
                       else list(range(1, 33)))
-            step_cost_s, draft_cost_s, switch_cost_s = measure_costs(
-                self.target, self.drafter, prompt, self.block_size - 1, measured_drafts=CALIBRATED_DRAFTS)
+            with self._exclusive():  # the measurement runs the models
+                step_cost_s, draft_cost_s, switch_cost_s = measure_costs(
+                    self.target, self.drafter, prompt, self.block_size - 1, measured_drafts=CALIBRATED_DRAFTS)
             self.block_policy = BlockPolicy(step_cost_s, draft_cost_s, switch_cost_s)
         return self.block_policy
 
     def _recorded(self, events, call_stats: GenerationStats, caller_stats: GenerationStats | None):
-        try:
-            yield from events
-        finally:  # finished, broken off, or interrupted: the engine has recorded its times
-            events.close()
-            self.last_stats = call_stats
-            self.stats.merge(call_stats)
-            if caller_stats is not None:
-                caller_stats.merge(call_stats)
+        with self._exclusive():
+            try:
+                yield from events
+            finally:  # finished, broken off, or interrupted: the engine has recorded its times
+                events.close()
+                self.last_stats = call_stats
+                self.stats.merge(call_stats)
+                if caller_stats is not None:
+                    caller_stats.merge(call_stats)
 
     def warm_up(self, num_tokens: int = 4, block_size: int | str | None = None) -> None:
         """One short generation, so first-call costs (worker threads, first-shape kernels, and for
@@ -214,12 +246,13 @@ class DFlashPipeline:
             if self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
                 ids = [self.bos_token_id] + ids
             return ids
+        if isinstance(prompt_or_messages, (bytes, bytearray, dict)) or not hasattr(prompt_or_messages, "__iter__"):
+            raise TypeError("prompt must be a string, a list of chat messages, or a list of token ids, "
+                            f"got {type(prompt_or_messages).__name__}")
         items = list(prompt_or_messages)
-        if items and all(isinstance(m, dict) for m in items):
-            return self._tok().encode_chat(items)
-        if all(isinstance(t, int) for t in items):
-            return items
-        raise TypeError("prompt must be a string, a list of chat messages, or a list of token ids")
+        if items and any(isinstance(m, dict) for m in items):
+            return self._tok().encode_chat(check_messages(items))
+        return check_token_ids(items, self.vocab_size)
 
     def _tok(self) -> Tokenizer:
         if self.tokenizer is None:
@@ -230,7 +263,7 @@ class DFlashPipeline:
                 **kwargs) -> Iterator[str]:
         """Text per accepted block (with `every_round`, one item per round, "" while text is held
         back); fills `result` (token_ids, text, finish_reason) as it goes."""
-        stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+        stops = check_stops(stop)
         prompt_ids = self.encode_prompt(prompt_or_messages, apply_chat_template)
         detok = IncrementalDetokenizer(self._tok())
         eos = set(self.eos_token_ids if kwargs.get("eos_token_ids") is None else kwargs["eos_token_ids"])
@@ -308,3 +341,56 @@ def _held_back(text: str, stops: list[str]) -> int:
                 longest = n
                 break
     return longest
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_positive_int(name: str, value, what: str = "an integer >= 1") -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return int(value)
+
+
+def check_token_ids(ids, vocab_size: int | None = None) -> list[int]:
+    """A prompt of token ids: integers (not bools, not bytes) in 0..vocab_size-1, at least one."""
+    if isinstance(ids, (str, bytes, bytearray)):
+        raise TypeError(f"token ids must be a list of integers, got {type(ids).__name__}")
+    out = []
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise TypeError(f"token ids must be integers: item {i} is {t!r}")
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            bound = f"0..{vocab_size - 1}" if vocab_size is not None else ">= 0"
+            raise ValueError(f"token id {int(t)} at item {i} is out of range ({bound})")
+        out.append(int(t))
+    if not out:
+        raise ValueError("the prompt is empty")
+    return out
+
+
+def check_stops(stop) -> list[str]:
+    """Stop strings: None, a string, or a list of strings; an empty string is refused either way."""
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)):
+        raise TypeError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    for i, s in enumerate(items):
+        if not isinstance(s, str):
+            raise TypeError(f"stop[{i}] must be a string, got {s!r}")
+        if not s:
+            raise ValueError("stop strings must not be empty" + (f" (stop[{i}])" if not isinstance(stop, str) else ""))
+    return list(items)
+
+
+def check_messages(messages: list) -> list[dict]:
+    """Chat messages: dicts with a known role and string content (assistant content may be empty)."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        if m.get("role") not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.get('role')!r}")
+        if not isinstance(m.get("content"), str):
+            raise TypeError(f"messages[{i}].content must be a string, got {type(m.get('content')).__name__}")
+    return messages

@@ -303,6 +303,19 @@ class OVDrafter:
         return self.request.get_tensor(self.tokens_out).data[0, :num_drafts].copy()
 
 
+def read_ir(core: ov.Core, xml: Path, role: str) -> ov.Model:
+    """`core.read_model`, with a one-line error that names the model and the file that failed."""
+    for path in (xml, xml.with_suffix(".bin")):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: the {role} IR file is missing; re-export the model directory")
+    try:
+        return core.read_model(xml)
+    except Exception as exc:  # the plugin's message is many lines; keep its first
+        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise RuntimeError(f"{xml}: the {role} IR could not be read ({first.strip()[:200]}); "
+                           "re-export the model directory") from None
+
+
 def runtime_target_graph(target_model: ov.Model, manifest: dict, target_runner: str = DEFAULT_TARGET_RUNNER) -> ov.Model:
     """The runtime's edits of a read target IR, in place (and returned): openvino's paged-attention
     transformation for the "paged" runner, then `graphs.target_for_runtime`. The feature pass
@@ -319,29 +332,39 @@ def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", 
                     target_runner: str = DEFAULT_TARGET_RUNNER,
                     **target_options) -> tuple[OVTarget | OVPagedTarget, OVDrafter | None]:
     """Read, adapt and compile the pair. `config` goes to compile_model (CACHE_DIR included).
-    `target_runner` (`TARGET_RUNNERS`): "stateful" (OVTarget) or "paged" (OVPagedTarget)."""
+    `target_runner` (`TARGET_RUNNERS`): "stateful" (OVTarget) or "paged" (OVPagedTarget); "hybrid"
+    (ovdflash.hybrid.HybridTarget) exactly when the manifest names it (a linear-attention target)."""
     target_runner = parse_target_runner(target_runner)
+    if (manifest.get("target_runner") == "hybrid") != (target_runner == "hybrid"):
+        raise ValueError(f"target runner {target_runner!r} does not fit this target "
+                         f"(its manifest names {manifest.get('target_runner')!r})")
     model_dir = Path(model_dir)
     core = core or ov.Core()
-    target_model = core.read_model(model_dir / TARGET_XML)
+    target_model = read_ir(core, model_dir / TARGET_XML, "target")
     seq_axes = kv_seq_axes(target_model)
     drafter = None
     if with_drafter:
-        drafter_model = core.read_model(model_dir / DRAFTER_XML)
+        drafter_model = read_ir(core, model_dir / DRAFTER_XML, "drafter")
         # graft before the target is edited: the drafter reuses the target's embedding and lm_head nodes
         vocab_path = model_dir / DRAFT_VOCAB
         draft_vocab = graphs.read_draft_vocab(vocab_path) if use_draft_vocab and vocab_path.exists() else None
         graphs.drafter_for_runtime(drafter_model, target_model, draft_vocab)
-    runtime_target_graph(target_model, manifest, target_runner)
     max_length = int(manifest["max_position_embeddings"])
     target_config = dict(config or {})
     if manifest.get("target", {}).get("weight_format") == FP16_UNCACHED:
         target_config.pop("CACHE_DIR", None)
-    compiled_target = core.compile_model(target_model, device, target_config)
-    if target_runner == "paged":
-        target = OVPagedTarget(compiled_target, max_length, **target_options)
+    if target_runner == "hybrid":
+        from .hybrid import compile_hybrid_target
+
+        target = compile_hybrid_target(core, target_model, manifest, device, target_config, seq_axes,
+                                       **target_options)
     else:
-        target = OVTarget(compiled_target, max_length, seq_axes, **target_options)
+        runtime_target_graph(target_model, manifest, target_runner)
+        compiled_target = core.compile_model(target_model, device, target_config)
+        if target_runner == "paged":
+            target = OVPagedTarget(compiled_target, max_length, **target_options)
+        else:
+            target = OVTarget(compiled_target, max_length, seq_axes, **target_options)
     if with_drafter:
         drafter = OVDrafter(core.compile_model(drafter_model, device, {**DRAFTER_DEFAULTS, **(config or {})}),
                             int(manifest["block_size"]), int(manifest["mask_token_id"]), max_length,

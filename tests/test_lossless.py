@@ -54,7 +54,7 @@ def test_greedy_dflash_equals_autoregressive_over_many_prompts(strict_pipe):
     for i, prompt in enumerate(random_prompts(NUM_PROMPTS, vocab)):
         max_new = 120 if i % 10 == 0 else 32  # some long generations: many rollbacks
         ar = tokens(pipe.generate_tokens(prompt, max_new, draft=False, eos_token_ids=[]))
-        block = (2, 3, 4, 6)[i % 4] if i % 5 == 4 else None  # mostly the trained block size
+        block = (2, 3, 4, 1)[i % 4] if i % 5 == 4 else None  # mostly the trained block size (at most it)
         spec = tokens(pipe.generate_tokens(prompt, max_new, draft=True, block_size=block,
                                            eos_token_ids=[], stats=stats))
         if spec != ar:
