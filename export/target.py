@@ -23,7 +23,9 @@ import openvino as ov
 
 from ovdflash.graphs import LOCATOR_KEY, find_lm_head
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+# hybrid (linear + full attention) targets: converted by export/qwen3_5.py, run by ovdflash.hybrid
+HYBRID_ARCHS = ("qwen3_5_text", "qwen3_5")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3") + HYBRID_ARCHS
 
 
 def _matmul_upstream(output, depth: int = 3) -> bool:
@@ -116,11 +118,19 @@ def load_target_config(source) -> dict:
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(str(source.parent), gguf_file=source.name).to_dict()
-    return json.loads((source / "config.json").read_text())
+    config = json.loads((source / "config.json").read_text())
+    if config.get("model_type") == "qwen3_5":  # the text model's fields sit under a wrapper
+        return {**config["text_config"], "model_type": "qwen3_5_text"}
+    return config
 
 
 def export_target_model(hf_dir, stateful: bool = True) -> tuple[ov.Model, object]:
-    """Convert a HF directory with optimum-intel; returns (ov.Model with locators, HF config)."""
+    """Convert a HF directory with optimum-intel (a hybrid one with export/qwen3_5.py); returns
+    (ov.Model with locators, object with the HF config and generation config)."""
+    if load_target_config(hf_dir).get("model_type") in HYBRID_ARCHS:
+        from .qwen3_5 import convert_qwen3_5
+
+        return convert_qwen3_5(hf_dir)
     from optimum.intel import OVModelForCausalLM
 
     wrapped = OVModelForCausalLM.from_pretrained(str(hf_dir), export=True, compile=False, stateful=stateful,

@@ -43,6 +43,12 @@ _ARCH_DEFAULTS = {
     "llama": dict(tie_word_embeddings=True, rope_theta=100000.0),
     "qwen2": dict(tie_word_embeddings=True, rope_theta=1000000.0),
     "qwen3": dict(tie_word_embeddings=False, rope_theta=1000000.0, head_dim=16),
+    # Qwen3.5 hybrid: layers 0-2 Gated DeltaNet, 3 full attention (every 4th, as in Qwen3.5-9B)
+    "qwen3_5_text": dict(tie_word_embeddings=False, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                         linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                          "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+                                          "mrope_interleaved": True}),
 }
 
 
@@ -93,13 +99,14 @@ def save_tiny_tokenizer(out_dir, vocab_size: int):
 def make_tiny_target(arch: str, out_dir, vocab_size: int = 512, seed: int = 0, **overrides) -> Path:
     """Build and save a random tiny HF causal LM with its tokenizer; returns out_dir."""
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3_5ForCausalLM,
+                              Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM)
 
     classes = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "qwen3_5_text": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
     }
     if arch not in classes:
         raise ValueError(f"arch must be one of {sorted(classes)}, got {arch!r}")
@@ -134,6 +141,8 @@ def make_tiny_target(arch: str, out_dir, vocab_size: int = 512, seed: int = 0, *
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.08)
+            elif arch == "qwen3_5_text":  # HF starts A_log, dt_bias and the norms at constants: vary them
+                p.copy_(p + torch.randn(p.shape, generator=gen) * 0.3)
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = pad
     model.generation_config.bos_token_id = None

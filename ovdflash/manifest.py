@@ -11,10 +11,14 @@ Contract:
   and `default_block_size` filled in.
 - `manifest_compile_options(manifest)`: the OpenVINO compile options the export recorded for this
   model (`ovdflash export --compile-option KEY=VALUE`), as a fresh dict; empty when none.
+- `checksum_files(model_dir)` -> {relative path: sha256} of the IR files (`IR_FILES`), which export
+  records as the manifest's `files`; `verify_files(model_dir, manifest)` -> the paths that are missing
+  or differ (empty: all match; None: the manifest records no checksums).
 - Nothing here imports openvino: the export stage and the CLI use it before the runtime loads.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -24,13 +28,15 @@ TARGET_XML = "target/openvino_model.xml"
 DRAFTER_XML = "drafter/openvino_model.xml"
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # optional, in a drafter checkpoint and in DIR/drafter/
 DRAFT_VOCAB = "drafter/" + DRAFT_VOCAB_FILE
+IR_FILES = (TARGET_XML, TARGET_XML[:-4] + ".bin", DRAFTER_XML, DRAFTER_XML[:-4] + ".bin")
 
 # How the target's attention and KV cache run (runners.compile_runners): "paged" (openvino's
 # paged-attention transformation at load time: host-held block caches, rollback by past_lens;
 # cheaper target calls than the stateful IR at every verify width measured, docs/BENCHMARKS.md)
 # or "stateful" (the IR as exported: KV in ReadValue/Assign states, SDPA, mask-based rollback).
-# A manifest may set `target_runner`; a caller's choice wins over both.
-TARGET_RUNNERS = ("paged", "stateful")
+# A manifest may set `target_runner`; a caller's choice wins over both. "hybrid": a target with
+# linear-attention layers (Qwen3.5), the only runner for one (ovdflash.hybrid: exact state rollback).
+TARGET_RUNNERS = ("paged", "stateful", "hybrid")
 DEFAULT_TARGET_RUNNER = "paged"
 
 # How many tokens a drafter pass runs when a round verifies k drafts. "full_block": always the block
@@ -114,3 +120,27 @@ def load_manifest(model_dir: str | Path) -> dict:
 def manifest_compile_options(manifest: dict) -> dict:
     """The compile options recorded at export (`compile_options`), in a fresh dict."""
     return dict(manifest.get("compile_options", {}))
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checksum_files(model_dir: str | Path) -> dict[str, str]:
+    return {name: file_sha256(Path(model_dir) / name) for name in IR_FILES}
+
+
+def verify_files(model_dir: str | Path, manifest: dict) -> list[str] | None:
+    recorded = manifest.get("files")
+    if not isinstance(recorded, dict):
+        return None
+    bad = []
+    for name, digest in recorded.items():
+        path = Path(model_dir) / name
+        if not path.is_file() or file_sha256(path) != digest:
+            bad.append(name)
+    return bad

@@ -1,0 +1,234 @@
+"""Qwen3.5 hybrid targets (Gated DeltaNet + full attention): export, exact rollback, lossless decoding.
+
+A tiny random `qwen3_5_text` target (layers 0-2 Gated DeltaNet, 3 full attention; A_log, dt_bias
+and the norms randomized so every path matters) is exported with `export_pair` beside a random
+drafter reading layers 1 (linear attention) and 3 (full attention, after the final norm).
+
+Oracles: HF transformers' full-sequence forward (its chunked delta rule) for logits and features,
+and HF's plain greedy `generate` (token-by-token recurrent state). HF's `Cache.crop` is NOT a valid
+oracle for a hybrid model: it trims the attention K/V but leaves the conv and recurrent states with
+the rejected tokens folded in, so z-lab's `dflash_generate` on such a target is not lossless; every
+rollback here is checked against a fresh run over exactly the committed tokens instead.
+"""
+import json
+
+import numpy as np
+import openvino as ov
+import pytest
+import torch
+
+from ovdflash import STRICT_F32, DFlashPipeline
+from ovdflash.hybrid import CONV_STATE, RECURRENT_STATE, compile_hybrid_target
+from ovdflash.runners import kv_seq_axes
+from ovdflash.stats import GenerationStats
+from test_lossless import OracleDrafter, random_prompts, tokens
+
+ARCH = "qwen3_5_text"
+LAYER_IDS = (1, 3)
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def pair(export_tiny_pair):
+    return export_tiny_pair(arch=ARCH, target_layer_ids=LAYER_IDS)
+
+
+def _manifest(pair):
+    return json.loads((pair / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def hf(pair):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(_manifest(pair)["target"]["source"], dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    return model
+
+
+@pytest.fixture(scope="module")
+def pipe(pair, tmp_path_factory):
+    pipe = DFlashPipeline.from_pretrained(pair, cache_dir=tmp_path_factory.mktemp("ov_cache"),
+                                          INFERENCE_NUM_THREADS=1, **STRICT_F32)
+    pipe.default_block_size = pipe.block_size
+    return pipe
+
+
+def _target(pair, layer_ids):
+    core = ov.Core()
+    model = core.read_model(str(pair / "target" / "openvino_model.xml"))
+    manifest = {**_manifest(pair), "target_layer_ids": list(layer_ids)}
+    return compile_hybrid_target(core, model, manifest, "CPU", dict(STRICT_F32), kv_seq_axes(model))
+
+
+@torch.no_grad()
+def _hf_reference(hf, tokens, layer_ids):
+    out = hf(torch.tensor(tokens)[None], output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[k + 1] for k in layer_ids], dim=-1)
+    return out.logits[0].numpy(), feats[0].numpy()
+
+
+def test_manifest_and_ir_layout(pair):
+    manifest = _manifest(pair)
+    assert manifest["target_runner"] == "hybrid" and manifest["target"]["arch"] == ARCH
+    assert manifest["hybrid"]["linear_attention_layers"] == [0, 1, 2]
+    assert manifest["hybrid"]["full_attention_layers"] == [3]
+    model = ov.Core().read_model(str(pair / "target" / "openvino_model.xml"))
+    names = [p.get_any_name() for p in model.inputs]
+    assert names[:3] == ["input_ids", "attention_mask", "position_ids"] and names[-1] == "beam_idx"
+    assert {f"{CONV_STATE}{i}" for i in range(3)} | {f"{RECURRENT_STATE}{i}" for i in range(3)} <= set(names)
+    ops = [op.get_type_name() for op in model.get_ops()]
+    assert ops.count("ReadValue") == ops.count("Assign") == 2  # K and V of the one full-attention layer
+    assert ops.count("Loop") == 3  # one recurrence per Gated DeltaNet layer
+
+
+def test_logits_and_features_equal_hf_over_prefill_and_steps(pair, hf):
+    layer_ids = [3, 0, 2, 1]  # every layer, linear and full attention, shuffled
+    tokens = np.random.RandomState(1).randint(0, 400, size=20)
+    want_logits, want_feats = _hf_reference(hf, tokens, layer_ids)
+    target = _target(pair, layer_ids)
+    target.reset()
+    pos = 0
+    for n in (9, 1, 4, 2, 1, 3):
+        logits, feats = target.forward(tokens[pos:pos + n], all_logits=True)
+        assert logits.shape == (n, hf.config.vocab_size) and feats.shape == (n, 4 * hf.config.hidden_size)
+        assert np.abs(logits - want_logits[pos:pos + n]).max() < TOL
+        assert np.abs(feats - want_feats[pos:pos + n]).max() < TOL
+        target.commit(n)
+        pos += n
+    # the random init makes the recurrence matter: zeroing the states changes the answer
+    for name, state in target.states.items():
+        state[...] = 0.0
+    logits, _ = target.forward(tokens[pos - 1:pos], all_logits=True)
+    assert np.abs(logits[0] - want_logits[pos - 1]).max() > 1e-2
+
+
+def _states(target):
+    return {k: v.copy() for k, v in target.states.items()}
+
+
+@pytest.mark.parametrize("block", [5])
+def test_rollback_at_every_position_of_a_block(pipe, block):
+    """Verify `block` tokens, keep n (1..block), continue: logits, features and every Gated DeltaNet
+    state equal a fresh run over exactly the committed tokens."""
+    target = pipe.target
+    rng = np.random.default_rng(0)
+    prompt, truth, cont = rng.integers(0, 400, 7), rng.integers(0, 400, block), rng.integers(0, 400, 3)
+    for kept in range(1, block + 1):
+        verify = np.r_[truth[:kept], rng.integers(0, 400, block - kept)]
+        replays = target.num_replays
+        target.reset()
+        target.forward(prompt, all_logits=False)
+        target.commit(len(prompt))
+        target.forward(verify, all_logits=True)
+        target.commit(kept)
+        assert target.num_replays - replays == (kept < block)  # a partial commit replays, a full one not
+        rolled_states = _states(target)
+        logits, feats = target.forward(cont, all_logits=True)
+        rolled = np.array(logits), np.array(feats)
+        target.commit(len(cont))
+
+        target.reset()
+        target.forward(np.r_[prompt, truth[:kept]], all_logits=True)
+        target.commit(len(prompt) + kept)
+        fresh_states = _states(target)
+        logits, feats = target.forward(cont, all_logits=True)
+        target.commit(len(cont))
+        for name, value in fresh_states.items():
+            assert np.abs(rolled_states[name] - value).max() < 1e-5, (kept, name)
+        np.testing.assert_allclose(rolled[0], logits, atol=TOL)
+        np.testing.assert_allclose(rolled[1], feats, atol=TOL)
+
+
+@torch.no_grad()
+def _hf_greedy_full_forward(hf, prompt, max_new):
+    """HF greedy decoding by a full-sequence forward per token (no cache)."""
+    seq = list(prompt)
+    for _ in range(max_new):
+        seq.append(int(hf(torch.tensor([seq]), logits_to_keep=1).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_greedy_dflash_equals_ar_and_hf_generate(pipe, hf):
+    """On 30 prompts: our AR == HF greedy by full forwards == HF's `generate` (which, on this model,
+    parts from HF's own full forward at rare near-ties: then the top-2 margin there is checked),
+    and greedy DFlash (the random drafter with lookup drafts; an oracle drafter with partial
+    accepts) == our AR."""
+    vocab = 400
+    stats_drafter, stats_oracle = GenerationStats(), GenerationStats()
+    replays = pipe.target.num_replays
+    generate_ties = []
+    for i, prompt in enumerate(random_prompts(30, vocab)):
+        max_new = 48 if i % 10 == 0 else 24
+        ar = tokens(pipe.generate_tokens(prompt, max_new, draft=False, eos_token_ids=[]))
+        assert ar == _hf_greedy_full_forward(hf, prompt, max_new), i
+        with torch.no_grad():
+            generated = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False)
+        generated = generated[0, len(prompt):].tolist()
+        if generated != ar:
+            j = next(j for j, (a, b) in enumerate(zip(ar, generated)) if a != b)
+            with torch.no_grad():
+                top2 = torch.topk(hf(torch.tensor([prompt + ar[:j]])).logits[0, -1], 2).values
+            generate_ties.append((i, j, float(top2[0] - top2[1])))
+        block = (2, 3, 4)[i % 3] if i % 4 == 3 else None
+        spec = tokens(pipe.generate_tokens(prompt, max_new, block_size=block, eos_token_ids=[], stats=stats_drafter))
+        assert spec == ar, i
+        drafter = OracleDrafter(prompt + ar, block_size=5, error_rate=0.3, vocab=vocab, seed=i)
+        oracle = DFlashPipeline(pipe.target, drafter, pipe.tokenizer, [], 5, prompt_lookup=False)
+        assert tokens(oracle.generate_tokens(prompt, max_new, eos_token_ids=[], stats=stats_oracle)) == ar, i
+        if i % 5 == 0:  # a prompt that repeats itself: the n-gram lookup drafts (and is accepted)
+            echo = prompt + ar + prompt
+            echo_ar = tokens(pipe.generate_tokens(echo, max_new, draft=False, eos_token_ids=[]))
+            assert tokens(pipe.generate_tokens(echo, max_new, eos_token_ids=[], stats=stats_drafter)) == echo_ar, i
+    hist = stats_oracle.acceptance_length_histogram
+    print("drafter rounds", stats_drafter.num_drafts, "lookup", stats_drafter.num_lookup_drafts,
+          "oracle acceptance histogram", dict(hist), "replays", pipe.target.num_replays - replays)
+    assert {1, 2, 3, 4, 5} <= set(hist) and sum(hist[k] for k in (2, 3, 4)) > 50  # many partial accepts
+    print("HF generate parted from HF's full forward at (prompt, token, top-2 margin)", generate_ties)
+    assert len(generate_ties) <= 3 and all(margin < 0.05 for _, _, margin in generate_ties), generate_ties
+    assert stats_drafter.num_lookup_drafts > 0 and stats_drafter.num_lookup_accepted_tokens > 0
+
+
+def test_auto_block_sizes_and_ar_steps_stay_lossless(pipe):
+    """block_size="auto" mixes verify widths and AR steps (0 drafts) on one state: still AR's tokens."""
+    for prompt in random_prompts(6, 400, seed=4):
+        ar = tokens(pipe.generate_tokens(prompt, 32, draft=False, eos_token_ids=[]))
+        assert tokens(pipe.generate_tokens(prompt, 32, block_size="auto", eos_token_ids=[])) == ar
+
+
+def test_wrong_runner_for_a_hybrid_target_is_refused(pair, tmp_path):
+    for runner in ("paged", "stateful"):
+        with pytest.raises(ValueError, match="does not fit this target"):
+            DFlashPipeline.from_pretrained(pair, cache_dir=tmp_path, target_runner=runner)
+
+
+def test_dflash_sampling_matches_ar_on_the_hybrid_target(pair, tmp_path):
+    """Two-sample chi-square (contingency) of tokens 1..3, DFlash vs AR, the target as its own drafter
+    (often accepted, often not: both the acceptance and the residual path, with replays)."""
+    from scipy import stats as sps
+
+    from test_sampling_stats import P_THRESHOLD, SelfDrafter
+
+    pipe = DFlashPipeline.from_pretrained(pair, cache_dir=tmp_path, INFERENCE_NUM_THREADS=1, **STRICT_F32)
+    pipe.default_block_size = SelfDrafter.block_size
+    prompt = [5, 17, 33]
+    pipe.drafter = SelfDrafter(type(pipe.target), pipe.target.compiled, pipe.target.max_length, prompt)
+    params = dict(temperature=0.8, top_k=6)
+    samples = 800
+
+    def draw(draft):
+        return np.array([tokens(pipe.generate_tokens(prompt, 4, draft=draft, seed=s + (10 ** 6 if draft else 0),
+                                                     eos_token_ids=[], **params)) for s in range(samples)])
+
+    ar, spec = draw(False), draw(True)
+    accepted = pipe.stats.num_accepted_tokens
+    assert accepted > 100 and pipe.stats.num_draft_tokens - accepted > 100 and pipe.target.num_replays > 100
+    p_values = {}
+    for pos in (1, 2, 3):
+        values = sorted(set(ar[:, pos]) | set(spec[:, pos]))
+        table = np.array([[np.sum(ar[:, pos] == v) for v in values], [np.sum(spec[:, pos] == v) for v in values]])
+        keep = table.sum(0) >= 10
+        table = np.c_[table[:, keep], table[:, ~keep].sum(1, keepdims=True)]
+        p_values[pos] = sps.chi2_contingency(table[:, table.sum(0) > 0]).pvalue
+    print("hybrid two-sample p-values", p_values, "acceptance rate", pipe.stats.acceptance_rate)
+    assert min(p_values.values()) > P_THRESHOLD, p_values
