@@ -13,6 +13,8 @@ _COMMANDS = {
     "chat": ("ovdflash.chat", "chat", "Chat with a model directory (default: SmolLM2-135M + shipped drafter)."),
     "bench": ("ovdflash.bench", "bench", "Benchmark DFlash against autoregressive baselines."),
     "train": ("ovdflash.cmd_train", "train", "Distill a DFlash drafter for a target model."),
+    "serve": ("ovdflash.cmd_serve", "serve", "Serve a model directory as an OpenAI-compatible API (DFlash inside)."),
+    "bench-serve": ("ovdflash.server.load", "bench_serve", "Load-test any OpenAI-compatible endpoint (TTFT, TPOT, tok/s)."),
     "env": ("ovdflash.env", "env", "Print the host's CPU, ISA, versions and a model's compile precisions."),
 }
 

@@ -1,0 +1,130 @@
+"""`ovdflash serve [MODEL_DIR]`: the OpenAI-compatible server (ovdflash.server) on one model directory.
+
+Contract: loads MODEL_DIR (default: the embedded model, as `ovdflash chat`) with the same load
+options as chat (`-c KEY=VALUE`, `--target-runner`, `--precision`, `--block-size`, `--no-draft`,
+`--prompt-lookup`), warms it up, and serves it on `--host` (default 127.0.0.1) and `--port`
+until SIGTERM or SIGINT, then exits 0 after open requests end (docs/SERVING.md). Options spelled
+as vLLM's: `--api-key` (or OVDFLASH_API_KEY; without it the server is open, so a non-loopback
+`--host` without a key is refused unless `--allow-open` says so), `--served-model-name`
+(repeatable; default: the directory's name), `--max-num-seqs` (running sequences: 1 until
+batched generation), `--max-queue`, `--max-model-len`, `--max-request-bytes`. Bad options are
+one-line errors before the model loads where they can be.
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+from pathlib import Path
+
+import click
+
+from . import TARGET_RUNNERS
+from .chat import _parse_block_size, _sigint_to_main_thread_only, parse_config_options
+from .precision import PRECISIONS
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def load_pipeline(model_dir, device, no_draft, cache_dir, target_runner, prompt_lookup, precision, config,
+                  block_size):
+    """The pipeline `serve` runs, loaded and warmed up as `ovdflash chat` does."""
+    from .pipeline import DFlashPipeline
+
+    with _sigint_to_main_thread_only():
+        pipe = DFlashPipeline.from_pretrained(model_dir, device=device, draft=not no_draft, cache_dir=cache_dir,
+                                              target_runner=target_runner, prompt_lookup=prompt_lookup,
+                                              precision=precision, **parse_config_options(config))
+        pipe.warm_up(block_size=block_size)
+    return pipe
+
+
+def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_num_seqs=1, max_queue=128,
+                     max_model_len=None, api_key=None, max_request_bytes=None):
+    """The FastAPI app over `pipe`: scheduler, engine, metrics and endpoints wired together."""
+    from .server.app import DEFAULT_MAX_REQUEST_BYTES, build_app
+    from .server.async_engine import AsyncEngine, SequentialScheduler
+    from .server.metrics import ServerMetrics
+
+    if max_num_seqs != 1:
+        raise ValueError(f"--max-num-seqs {max_num_seqs}: this engine runs one sequence at a time "
+                         "(one target KV cache per pipeline); only 1 is possible until batched generation")
+    if max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {max_queue}")
+    context = pipe.target.max_length
+    if max_model_len is not None and not 2 <= max_model_len <= context:
+        raise ValueError(f"--max-model-len must be in 2..{context} (the model's context), got {max_model_len}")
+    engine = AsyncEngine(SequentialScheduler(pipe, block_size, draft), max_num_seqs, max_queue,
+                         ServerMetrics(served_model_names[0]), max_model_len or context)
+    return build_app(engine, served_model_names, api_key,
+                     max_request_bytes if max_request_bytes is not None else DEFAULT_MAX_REQUEST_BYTES)
+
+
+@click.command()
+@click.argument("model_dir", required=False, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--api-key", envvar="OVDFLASH_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' (also OVDFLASH_API_KEY). Without it the server is open.")
+@click.option("--allow-open", is_flag=True, help="Serve a non-loopback --host without an API key.")
+@click.option("--served-model-name", multiple=True,
+              help="Model name(s) clients send (repeatable; the first is reported). Default: MODEL_DIR's name.")
+@click.option("--block-size", default=None, metavar="N|auto",
+              help="Tokens per draft block, or 'auto'; default: the model directory's default_block_size.")
+@click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding on the same target.")
+@click.option("--prompt-lookup/--no-prompt-lookup", default=True, show_default=True,
+              help="n-gram lookup drafts beside the drafter's (output unchanged).")
+@click.option("--max-num-seqs", type=int, default=1, show_default=True,
+              help="Sequences generating at once (1: one target KV cache per pipeline).")
+@click.option("--max-queue", type=int, default=128, show_default=True,
+              help="Requests that may wait for the engine; beyond it: 503 with Retry-After.")
+@click.option("--max-model-len", type=int, default=None,
+              help="Context limit for prompt + reply (default and maximum: the model's).")
+@click.option("--max-request-bytes", type=click.IntRange(1), default=4 << 20, show_default=True,
+              help="Largest request body; beyond it: 413.")
+@click.option("--shutdown-timeout", type=click.FloatRange(0), default=5.0, show_default=True,
+              help="Seconds open requests may run on after SIGTERM/SIGINT before they end with finish_reason 'abort'.")
+@click.option("--device", "-d", default="CPU", show_default=True, help="OpenVINO device.")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="OpenVINO CACHE_DIR (default ~/.cache/ovdflash/ov_cache).")
+@click.option("--config", "-c", multiple=True, metavar="KEY=VALUE",
+              help="OpenVINO compile property, e.g. -c INFERENCE_PRECISION_HINT=f32 (repeatable).")
+@click.option("--target-runner", type=click.Choice(TARGET_RUNNERS), default=None,
+              help="How the target's attention runs (paged or stateful). Default: the model directory's choice.")
+@click.option("--precision", type=click.Choice(PRECISIONS), default=None,
+              help="Target numerics: f32 (the default) or bf16 (on CPUs with BF16/AMX).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
+def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_size, no_draft, prompt_lookup,
+          max_num_seqs, max_queue, max_model_len, max_request_bytes, shutdown_timeout, device, cache_dir, config,
+          target_runner, precision, log_level):
+    """Serve MODEL_DIR (default: SmolLM2-135M + shipped drafter) as an OpenAI-compatible API."""
+    if not api_key and not _is_loopback(host) and not allow_open:
+        raise click.ClickException(f"--host {host} is reachable from other machines and there is no --api-key: "
+                                   "give a key, or --allow-open to serve without one")
+    if max_num_seqs != 1:
+        raise click.ClickException(f"--max-num-seqs {max_num_seqs}: only 1 until batched generation "
+                                   "(one target KV cache per pipeline; docs/SERVING.md)")
+    try:
+        block_size = _parse_block_size(block_size)
+        from .server.app import run_server  # fastapi/uvicorn missing: a clear error before the slow load
+        pipe = load_pipeline(model_dir, device, no_draft, cache_dir, target_runner, prompt_lookup, precision,
+                             config, block_size)
+        names = list(served_model_name) or [Path(pipe.model_dir).name]
+        app = build_server_app(pipe, names, block_size, False if no_draft else None, max_num_seqs, max_queue,
+                               max_model_len, api_key, max_request_bytes)
+    except ImportError as exc:
+        raise click.ClickException(f"the server needs its extra: pip install 'ovdflash[serve]' ({exc})") from exc
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    click.echo(f"serving {names[0]} ({pipe.model_dir}) on http://{host}:{port}/v1, block size "
+               f"{block_size or pipe.default_block_size}, {'API key required' if api_key else 'no API key'}",
+               err=True)
+    run_server(app, host, port, shutdown_timeout, log_level)
