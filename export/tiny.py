@@ -1,7 +1,7 @@
 """Tiny random models for tests: built in code, no downloads, exported in seconds.
 
 * ``make_tiny_target(arch, out_dir, vocab_size=512, seed=0, **overrides)``: a random HF
-  causal LM (``arch`` in llama / qwen2 / qwen3; hidden 64, 4 layers by default; any config
+  causal LM (``arch`` in llama / qwen2 / qwen3 / qwen3_5_text; hidden 64, 4 layers by default; any config
   field can be overridden) saved with ``save_pretrained``, plus a byte-level BPE tokenizer
   trained here on a small built-in corpus, with a ChatML ``chat_template`` and eos
   ``<|im_end|>``. The tokenizer uses fewer ids than ``vocab_size`` so the top rows of the

@@ -214,7 +214,7 @@ def test_dflash_sampling_matches_ar_on_the_hybrid_target(pair, tmp_path):
     prompt = [5, 17, 33]
     pipe.drafter = SelfDrafter(type(pipe.target), pipe.target.compiled, pipe.target.max_length, prompt)
     params = dict(temperature=0.8, top_k=6)
-    samples = 800
+    samples = 600
 
     def draw(draft):
         return np.array([tokens(pipe.generate_tokens(prompt, 4, draft=draft, seed=s + (10 ** 6 if draft else 0),
@@ -232,3 +232,26 @@ def test_dflash_sampling_matches_ar_on_the_hybrid_target(pair, tmp_path):
         p_values[pos] = sps.chi2_contingency(table[:, table.sum(0) > 0]).pvalue
     print("hybrid two-sample p-values", p_values, "acceptance rate", pipe.stats.acceptance_rate)
     assert min(p_values.values()) > P_THRESHOLD, p_values
+
+
+def test_the_qwen3_5_wrapper_layout_loads_its_text_model(pair, hf, tmp_path):
+    """A `qwen3_5` checkpoint (text model under `model.language_model`, config under `text_config`)
+    gives the same text model, and the pair validation reads its text geometry."""
+    from safetensors.torch import save_file
+
+    from ovdflash_export.exporter import validate_pair
+    from ovdflash_export.qwen3_5 import load_text_model
+
+    source = json.loads((pair / "target" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": source}))
+    weights = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v.contiguous()
+               for k, v in hf.state_dict().items()}
+    weights["model.visual.patch_embed.proj.weight"] = torch.zeros(2, 2)  # vision weights are ignored
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    model, config = load_text_model(tmp_path)
+    assert config.model_type == "qwen3_5_text" and config.layer_types == hf.config.layer_types
+    ids = torch.tensor([[5, 17, 33, 2, 9]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, hf(ids).logits)
+    drafter = _manifest(pair)["drafter"]["source"]
+    assert validate_pair(tmp_path, drafter).num_layers == hf.config.num_hidden_layers
