@@ -1,0 +1,191 @@
+"""The batched scheduler against mock runners: every sequence of a batch equals its run alone."""
+import numpy as np
+import pytest
+
+from mock_models import MockDrafter, MockTarget
+from ovdflash.engine import PromptTooLongError, generate
+from ovdflash.lookup import NgramLookup
+from ovdflash.sampling import SamplingParams
+from ovdflash.scheduler import Scheduler
+
+VOCAB = 32
+TARGET_SEED = 11
+
+
+class MockBatchTarget:
+    """scheduler.BatchTarget over one MockTarget per sequence, with a block pool of a fixed size."""
+
+    def __init__(self, pool_blocks=10_000, block_tokens=4, max_length=4096):
+        self.pool_blocks = pool_blocks
+        self.block_tokens = block_tokens
+        self.max_length = max_length
+        self.seqs, self.reserved = {}, {}
+        self.num_forward_calls = 0
+        self.batch_sizes = []
+        self.last_reserved = None
+
+    def blocks_for(self, num_tokens):
+        return -(-num_tokens // self.block_tokens)
+
+    def reserve(self, seq_id, num_tokens):
+        need = self.blocks_for(num_tokens)
+        if need > self.pool_blocks - sum(self.reserved.values()):
+            return False
+        self.reserved[seq_id] = need
+        self.seqs[seq_id] = self.last_reserved = MockTarget(vocab_size=VOCAB, seed=TARGET_SEED,
+                                                            max_length=self.max_length)
+        return True
+
+    def release(self, seq_id):
+        del self.seqs[seq_id], self.reserved[seq_id]
+
+    def committed(self, seq_id):
+        return self.seqs[seq_id].committed
+
+    def forward(self, batch):
+        self.num_forward_calls += 1
+        self.batch_sizes.append(len(batch))
+        out = []
+        for seq_id, ids, rows in batch:
+            seq = self.seqs[seq_id]
+            assert self.blocks_for(seq.committed + len(ids)) <= self.reserved[seq_id], "wrote past its booking"
+            logits, feats = seq.forward(ids, all_logits=True)
+            out.append((logits[np.asarray(rows)], feats))
+        return out
+
+    def commit(self, seq_id, num_kept):
+        self.seqs[seq_id].commit(num_kept)
+
+
+class MockDrafterSource:
+    def __init__(self, target: MockBatchTarget, block_size=8, error_rate=0.3):
+        self.target, self.block_size, self.error_rate = target, block_size, error_rate
+        self.out = 0
+
+    def take(self):  # bound to the sequence just admitted (the scheduler takes right after reserve)
+        self.out += 1
+        return MockDrafter(self.target.last_reserved, block_size=self.block_size, error_rate=self.error_rate, seed=7)
+
+    def give(self, drafter):
+        self.out -= 1
+
+
+def alone(prompt, max_new, block_size, params=SamplingParams(), eos=(), lookup=False, max_length=4096):
+    target = MockTarget(vocab_size=VOCAB, seed=TARGET_SEED, max_length=max_length)
+    drafter = MockDrafter(target, block_size=8, error_rate=0.3, seed=7) if block_size > 1 else None
+    return list(generate(target, drafter, prompt, max_new, params, eos, block_size,
+                         lookup=NgramLookup() if lookup and drafter else None))
+
+
+def drain(scheduler, joins=None):
+    """Step until idle; `joins` maps a step number to requests added before it."""
+    events, step = {}, 0
+    while scheduler.has_work() or (joins and any(k >= step for k in joins)):
+        for args in (joins or {}).get(step, []):
+            scheduler.add(*args)
+        for rid, evs in scheduler.step():
+            events.setdefault(rid, []).extend(evs)
+        step += 1
+    return events
+
+
+def random_requests(rng, n, sampled=False):
+    reqs = []
+    for i in range(n):
+        prompt = rng.integers(0, VOCAB, size=int(rng.integers(1, 30))).tolist()
+        params = SamplingParams(temperature=0.8, top_k=int(rng.integers(0, 10)), seed=int(rng.integers(1000))) \
+            if sampled and i % 2 == 0 else SamplingParams()
+        reqs.append((f"r{i}", prompt, int(rng.integers(1, 40)), params, int(rng.choice([1, 2, 4, 8])),
+                     bool(rng.integers(2)), ()))
+    return reqs
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_every_sequence_of_a_batch_equals_its_run_alone(batch, sampled):
+    rng = np.random.default_rng(batch + 100 * sampled)
+    target = MockBatchTarget()
+    scheduler = Scheduler(target, MockDrafterSource(target), max_batch_size=batch)
+    reqs = random_requests(rng, 2 * batch, sampled)
+    for r in reqs:
+        scheduler.add(*r)
+    events = drain(scheduler)
+    for rid, prompt, max_new, params, block, lookup, eos in reqs:
+        assert events[rid] == alone(prompt, max_new, block, params, eos, lookup), rid
+    assert max(target.batch_sizes) == batch
+    assert not target.seqs and not scheduler.running
+
+
+def test_sequences_join_mid_batch_and_one_call_serves_all():
+    rng = np.random.default_rng(5)
+    target = MockBatchTarget()
+    drafters = MockDrafterSource(target)
+    scheduler = Scheduler(target, drafters)
+    reqs = random_requests(rng, 6)
+    joins = {0: reqs[:2], 3: reqs[2:4], 7: reqs[4:]}
+    events = drain(scheduler, joins)
+    for rid, prompt, max_new, params, block, lookup, eos in reqs:
+        assert events[rid] == alone(prompt, max_new, block, params, eos, lookup), rid
+    assert target.num_forward_calls == scheduler.num_steps < sum(len(e) for e in events.values())
+    assert drafters.out == 0
+
+
+def test_eos_stops_one_sequence_and_the_others_go_on():
+    base = [e.token for e in alone([3, 4, 5], 30, 4)]
+    eos = (base[6],)
+    target = MockBatchTarget()
+    scheduler = Scheduler(target, MockDrafterSource(target))
+    scheduler.add("eos", [3, 4, 5], 30, SamplingParams(), 4, False, eos)
+    scheduler.add("long", [3, 4, 5], 30, SamplingParams(), 4, False, ())
+    events = drain(scheduler)
+    assert events["eos"] == alone([3, 4, 5], 30, 4, eos=eos)
+    assert events["eos"][-1].finish_reason == "stop" and len(events["eos"]) == base.index(eos[0]) + 1
+    assert [e.token for e in events["long"]] == base and events["long"][-1].finish_reason == "length"
+
+
+def test_context_full_stops_as_alone():
+    target = MockBatchTarget(max_length=20)
+    scheduler = Scheduler(target, MockDrafterSource(target))
+    scheduler.add("a", [1, 2, 3], 100, SamplingParams(), 8, False, ())
+    scheduler.add("b", list(range(15)), 100, SamplingParams(), 1, False, ())
+    events = drain(scheduler)
+    assert events["a"] == alone([1, 2, 3], 100, 8, max_length=20)
+    assert events["b"] == alone(list(range(15)), 100, 1, max_length=20)
+    assert events["a"][-1].finish_reason == events["b"][-1].finish_reason == "context"
+    with pytest.raises(PromptTooLongError):
+        scheduler.add("c", list(range(20)), 5)
+
+
+def test_a_request_waits_for_the_pool_and_one_too_large_is_refused():
+    # 4 tokens a block: each request books ceil((10 + 10 - 1) / 4) = 5 blocks, so 2 fit in 12
+    target = MockBatchTarget(pool_blocks=12)
+    scheduler = Scheduler(target, MockDrafterSource(target))
+    for i in range(4):
+        scheduler.add(f"r{i}", list(range(1, 11)), 10, SamplingParams(), 4, False, ())
+    with pytest.raises(ValueError, match="whole pool"):
+        scheduler.add("big", list(range(1, 40)), 20)
+    events, most = {}, 0
+    while scheduler.has_work():
+        for rid, evs in scheduler.step():
+            events.setdefault(rid, []).extend(evs)
+        most = max(most, len(scheduler.running))
+        assert sum(target.reserved.values()) <= 12
+    assert most == 2 and max(target.batch_sizes) == 2
+    for i in range(4):
+        assert events[f"r{i}"] == alone(list(range(1, 11)), 10, 4)
+
+
+def test_abort_frees_the_slot_and_the_rest_is_unchanged():
+    target = MockBatchTarget()
+    drafters = MockDrafterSource(target)
+    scheduler = Scheduler(target, drafters, max_batch_size=2)
+    for rid in "abc":
+        scheduler.add(rid, [5, 6, 7], 25, SamplingParams(), 4, False, ())
+    first = scheduler.step()
+    assert {rid for rid, _ in first} == {"a", "b"}
+    assert scheduler.abort("a") and not scheduler.abort("a") and not scheduler.abort("nobody")
+    events = drain(scheduler)
+    assert "a" not in events and events["c"] == alone([5, 6, 7], 25, 4)
+    assert "a" not in target.seqs and drafters.out == 0
+    with pytest.raises(ValueError, match="drafter"):
+        Scheduler(target).add("x", [1], 3, block_size=4)
