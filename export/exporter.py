@@ -27,7 +27,7 @@ from typing import Callable
 
 from .compress import WEIGHT_FORMATS
 
-from ovdflash.manifest import DRAFT_VOCAB_FILE, FORMAT, MANIFEST_FILE, parse_default_block_size
+from ovdflash.manifest import DRAFT_VOCAB_FILE, FORMAT, MANIFEST_FILE, checksum_files, parse_default_block_size
 
 
 def _read_draft_vocab(drafter_dir: Path):
@@ -388,6 +388,7 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
             "versions": _versions(),
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }
+        manifest["files"] = checksum_files(work)  # `ovdflash verify` and the default model check them
         (work / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
         shutil.rmtree(work / "_gguf_hf", ignore_errors=True)
 

@@ -191,6 +191,12 @@ def convert_gguf_to_hf(gguf_path, out_dir) -> Path:
     model.generation_config.eos_token_id = eos_ids if len(eos_ids) > 1 else eos_id
     model.generation_config.bos_token_id = meta["bos_token_id"]
     model.generation_config.pad_token_id = eos_id
+    # the weights are dequantized already; newer transformers still refuse to save a "GGUF-quantized" model
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
     model.save_pretrained(str(out_dir), safe_serialization=True)
     for stale in ("tokenizer.model", "added_tokens.json"):
         (out_dir / stale).unlink(missing_ok=True)

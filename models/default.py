@@ -6,7 +6,8 @@ directory (docs/DESIGN.md layout, with manifest.json) at `<root>/smollm2-135m-df
 (`fetch_smollm2`), then exports target + `SHIPPED_DRAFTER` with
 `ovdflash_export.exporter.export_pair`. Idempotent: it re-exports only when the export is missing
 or was made from a different drafter checkpoint or export recipe (sha256 of the checkpoint's files
-and `EXPORT_RECIPE`, kept in `STAMP_NAME`).
+and `EXPORT_RECIPE`, kept in `STAMP_NAME`), or when its IR files no longer match the checksums its
+manifest recorded (a damaged default model rebuilds itself).
 Needs the export extra (torch) only when an export actually runs.
 """
 from __future__ import annotations
@@ -59,9 +60,14 @@ def _up_to_date(out: Path, fingerprint: str) -> bool:
     if not (out / "manifest.json").is_file() or not stamp.is_file():
         return False
     try:
-        return json.loads(stamp.read_text()).get("drafter_sha256") == fingerprint
-    except json.JSONDecodeError:
+        if json.loads(stamp.read_text()).get("drafter_sha256") != fingerprint:
+            return False
+        manifest = json.loads((out / "manifest.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return False
+    from ovdflash.manifest import verify_files
+
+    return not verify_files(out, manifest)  # damaged IR files: export again (None: no checksums recorded)
 
 
 def ensure_default_model(cache_dir=None, progress: bool = True) -> Path:

@@ -1,4 +1,4 @@
-"""Command line entry point: `ovdflash export|chat|bench|train`.
+"""Command line entry point: `ovdflash export|chat|serve|bench|bench-serve|train|verify|env`.
 
 Each subcommand lives in its own module and is imported only when it runs, so
 `ovdflash chat` never pays for (or needs) the export stage's torch import.
@@ -15,6 +15,7 @@ _COMMANDS = {
     "train": ("ovdflash.cmd_train", "train", "Distill a DFlash drafter for a target model."),
     "serve": ("ovdflash.cmd_serve", "serve", "Serve a model directory as an OpenAI-compatible API (DFlash inside)."),
     "bench-serve": ("ovdflash.server.load", "bench_serve", "Load-test any OpenAI-compatible endpoint (TTFT, TPOT, tok/s)."),
+    "verify": ("ovdflash.cmd_verify", "verify", "Check a model directory's IR files against its recorded checksums."),
     "env": ("ovdflash.env", "env", "Print the host's CPU, ISA, versions and a model's compile precisions."),
 }
 

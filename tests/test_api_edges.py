@@ -182,3 +182,51 @@ def test_chat_prompt_cut_by_ctrl_c_exits_130_after_printing_what_it_has(tiny_pai
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err.decode()
     assert (first + out).decode(errors="replace").rstrip().endswith("[stopped]")
+
+
+def test_verify_checks_the_recorded_checksums(tiny_pair, tmp_path):
+    cli = [sys.executable, "-m", "ovdflash.cli", "verify"]
+    model = tmp_path / "m"
+    shutil.copytree(tiny_pair, model)
+    ok = subprocess.run(cli + [str(model)], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "4 files match" in ok.stdout, ok.stderr
+    data = bytearray((model / "drafter/openvino_model.bin").read_bytes())
+    data[100] ^= 0xFF  # other valid-looking numbers: loads, but is not what was exported
+    (model / "drafter/openvino_model.bin").write_bytes(bytes(data))
+    bad = subprocess.run(cli + [str(model)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "drafter/openvino_model.bin: missing or damaged" in bad.stderr
+    manifest = json.loads((model / "manifest.json").read_text())
+    del manifest["files"]
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    old = subprocess.run(cli + [str(model)], capture_output=True, text=True, timeout=120)
+    assert old.returncode == 2 and "records no checksums" in old.stderr
+
+
+def test_a_damaged_default_model_rebuilds_itself(tmp_path, monkeypatch):
+    from ovdflash.manifest import checksum_files
+    from ovdflash_models import default as default_mod
+
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "model.safetensors").write_bytes(b"v1")
+    monkeypatch.setattr(default_mod, "SHIPPED_DRAFTER", drafter)
+    monkeypatch.setattr(default_mod, "fetch_smollm2", lambda cache_dir=None, progress=True: tmp_path / "hf")
+    calls = []
+
+    def export_pair(target, drafter_dir, out_dir, **kw):
+        calls.append(out_dir)
+        for name in ("target", "drafter"):
+            (out_dir / name).mkdir(parents=True)
+            (out_dir / name / "openvino_model.xml").write_text(f"<{name}/>")
+            (out_dir / name / "openvino_model.bin").write_bytes(b"\0" * 64)
+        (out_dir / "manifest.json").write_text(json.dumps({"format": "ovdflash/1", "files": checksum_files(out_dir)}))
+        return out_dir
+
+    fake = type(sys)("ovdflash_export.exporter")
+    fake.export_pair = export_pair
+    monkeypatch.setitem(sys.modules, "ovdflash_export.exporter", fake)
+    out = default_mod.ensure_default_model(tmp_path / "cache", progress=False)
+    assert default_mod.ensure_default_model(tmp_path / "cache", progress=False) == out and len(calls) == 1
+    (out / "target" / "openvino_model.bin").write_bytes(b"\1" * 64)  # damaged
+    assert default_mod.ensure_default_model(tmp_path / "cache", progress=False) == out and len(calls) == 2
+    assert (out / "target" / "openvino_model.bin").read_bytes() == b"\0" * 64
