@@ -18,6 +18,9 @@ from pathlib import Path
 
 from .fetch import building_dir, cache_root, fetch_smollm2
 
+# the HF checkpoint the embedded default is exported from (`ovdflash train --target default`)
+DEFAULT_TARGET_FETCH = fetch_smollm2
+
 SHIPPED_DRAFTER = Path(__file__).resolve().parent / "smollm2_dflash"
 EXPORT_DIRNAME = "smollm2-135m-dflash-ov"
 STAMP_NAME = "ovdflash_default.json"

@@ -17,7 +17,7 @@ WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
 
 @click.command(name="export")
 @click.option("--target", "target", required=True, type=click.Path(exists=True),
-              help="HF model directory (or a .gguf file) of the target LLM (llama, qwen2, qwen3).")
+              help="HF model directory (or a .gguf file) of the target LLM (llama, qwen2, qwen3; qwen3_5 and qwen3_5_text hybrids).")
 @click.option("--drafter", "drafter", required=True, type=click.Path(exists=True, file_okay=False),
               help="z-lab format DFlash drafter checkpoint directory.")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Output model directory.")

@@ -72,10 +72,10 @@ def train(eval_block_len, evaluate_only, **options):
     except ImportError as exc:
         raise click.ClickException(f"training needs the export extra (torch, transformers): {exc}")
     cfg = _config(options)
-    if cfg.target == "smollm2":
-        from ovdflash_models.fetch import fetch_smollm2
+    if cfg.target == "default":
+        from ovdflash_models.default import DEFAULT_TARGET_FETCH
 
-        cfg.target = str(fetch_smollm2())
+        cfg.target = str(DEFAULT_TARGET_FETCH())
     if evaluate_only:
         click.echo(json.dumps(evaluate_checkpoint(cfg.out_dir, cfg.target, cfg.eval_dirs or cfg.data_dirs,
                                                   device=cfg.device, features_root=cfg.features_root,

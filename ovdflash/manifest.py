@@ -39,6 +39,13 @@ IR_FILES = (TARGET_XML, TARGET_XML[:-4] + ".bin", DRAFTER_XML, DRAFTER_XML[:-4] 
 TARGET_RUNNERS = ("paged", "stateful", "hybrid")
 DEFAULT_TARGET_RUNNER = "paged"
 
+
+def runners_for(manifest: dict) -> tuple[str, ...]:
+    """The target runners that can run this model directory's target."""
+    if manifest.get("target_runner") == "hybrid":
+        return ("hybrid",)
+    return tuple(r for r in TARGET_RUNNERS if r != "hybrid")
+
 # How many tokens a drafter pass runs when a round verifies k drafts. "full_block": always the block
 # the drafter was trained on, reading the first k drafts (a drafter trained only on full blocks drafts
 # the first slots of a shorter block worse); "exact": k + 1 (a drafter trained with `--short-blocks`).

@@ -48,10 +48,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from compare_drafters import time_drafter  # noqa: E402  (tools/, next to this file)
-from ovdflash import TARGET_RUNNERS  # noqa: E402
+from ovdflash.manifest import load_manifest, runners_for  # noqa: E402
 from ovdflash.bench import CpuMeter, GenaiRunner, OursRunner, encode_prompts, rotated  # noqa: E402
 from ovdflash.block_policy import BlockPolicy  # noqa: E402
-from ovdflash.manifest import load_manifest  # noqa: E402
 from ovdflash.pipeline import DFlashPipeline  # noqa: E402
 from ovdflash.precision import compile_config  # noqa: E402
 from ovdflash.stats import GenerationStats  # noqa: E402
@@ -180,8 +179,9 @@ def weights_compare(pipe, dirs, extra, tokens, reps, meter):
 
 
 def runners_compare(model_dir, extra, tokens, reps, meter):
-    """MODEL_DIR with each target runner (ovdflash.TARGET_RUNNERS), side by side."""
-    pipes = {r: DFlashPipeline.from_pretrained(model_dir, target_runner=r, **extra) for r in TARGET_RUNNERS}
+    """MODEL_DIR with each target runner that can run it (manifest.runners_for), side by side."""
+    runners = runners_for(load_manifest(model_dir))
+    pipes = {r: DFlashPipeline.from_pretrained(model_dir, target_runner=r, **extra) for r in runners}
     return compare_pipelines(pipes, tokens, reps, meter)
 
 

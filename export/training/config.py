@@ -42,7 +42,7 @@ def option(flag: str, default=MISSING, help: str | None = None, *, default_facto
 @dataclass
 class TrainConfig:
     target: str = option("--target", required=True,
-                         help="HF model directory of the target, or 'smollm2' (fetched into the ovdflash cache).")
+                         help="HF model directory of the target, or 'default' (the embedded default's target, fetched into the ovdflash cache).")
     data_dirs: list[str] = option(
         "--data", multiple=True, required=True,
         help="Data directory written by `python -m ovdflash_export.training.data` (repeatable).")

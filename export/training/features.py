@@ -25,7 +25,7 @@ Contract:
   one (a follow-up's earlier conversation, the prompt of another reply) is not run again
   (`PrefixScorer`; `share_prefixes=False` runs each from position 0). On the shipped multi-turn
   data that skips over half the positions: 2.0-2.2x the stored rows a second on 2 idle Zen 4
-  cores (TRAINING.md, session 13).
+  cores (models/smollm2_dflash/TRAINING.md).
 - `fill_topk(model_dir, data_dir, out_dir, ...)` computes the top-k rows of the sequences stored
   without them (flagged false) in place, and flags them; features and predictions are left as
   they are. Resumable: the index is rewritten (atomically) every few sequences, and a sequence
@@ -41,8 +41,7 @@ run time, so its features and greedy tokens are exactly what the drafter sees an
 Run: `python -m ovdflash_export.training.features --model MODEL_DIR --data models/data/smollm2/turn1 --out DIR`.
 Give every data directory in one run (`--data A --data B ...`), so prefixes shared across them run once.
 `--inference-precision bf16` computes them 3.2x faster on an AMX CPU and 1.9x on Zen 4 (AVX-512
-bf16, no AMX; features within ~0.3 %, greedy next tokens 99.2 % equal to f32's; TRAINING.md, run 11
-and session 13); `meta.json` records the precision, and a directory never mixes two.
+bf16, no AMX; features within ~0.3 %, greedy next tokens 99.2 % equal to f32's; TRAINING.md); `meta.json` records the precision, and a directory never mixes two.
 """
 from __future__ import annotations
 
