@@ -1,0 +1,62 @@
+"""The batched paged target on the tiny exported pair (STRICT_F32): each sequence equals its run alone."""
+import numpy as np
+import pytest
+
+from ovdflash import STRICT_F32, DFlashPipeline
+from ovdflash.batch_runners import DrafterPool, PoolExhaustedError, batch_target_for
+from ovdflash.lookup import NgramLookup
+from ovdflash.engine import generate
+from ovdflash.sampling import SamplingParams
+from ovdflash.scheduler import Scheduler
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_pair, tmp_path_factory):
+    return DFlashPipeline.from_pretrained(tiny_pair, cache_dir=tmp_path_factory.mktemp("cache"),
+                                          INFERENCE_NUM_THREADS=1, **STRICT_F32)
+
+
+def alone(pipe, prompt, max_new, block, lookup):
+    drafter = pipe.drafter if block > 1 else None
+    return list(generate(pipe.target, drafter, prompt, max_new, SamplingParams(), (), block,
+                         lookup=NgramLookup() if lookup and drafter else None))
+
+
+def test_greedy_batch_equals_alone_with_joins(pipe):
+    rng = np.random.default_rng(0)
+    reqs = []
+    for i in range(8):
+        prompt = rng.integers(1, 500, size=int(rng.integers(3, 40))).tolist()
+        reqs.append((i, prompt, int(rng.integers(1, 14)), SamplingParams(), int(rng.choice([1, 2, 4])), i % 3 == 0, ()))
+    target = batch_target_for(pipe.target, pool_blocks=64)
+    scheduler = Scheduler(target, DrafterPool(pipe.drafter), max_batch_size=5)
+    events, step = {}, 0
+    for r in reqs[:6]:
+        scheduler.add(*r)
+    while scheduler.has_work():
+        if step == 2:
+            for r in reqs[6:]:
+                scheduler.add(*r)
+        for rid, evs in scheduler.step():
+            events.setdefault(rid, []).extend(evs)
+        step += 1
+    for rid, prompt, max_new, _, block, lookup, _ in reqs:
+        assert events[rid] == alone(pipe, prompt, max_new, block, lookup), rid
+    assert target.num_reserved == 0 and len(target.free) == target.num_blocks
+
+
+def test_pool_limit_waits_and_refuses_cleanly(pipe):
+    target = batch_target_for(pipe.target, pool_blocks=2)
+    scheduler = Scheduler(target, DrafterPool(pipe.drafter))
+    per_block = target.block_tokens
+    prompt = list(range(1, per_block))  # one block each with its new tokens
+    for i in range(3):
+        scheduler.add(i, prompt, 1, SamplingParams(), 2, False, ())
+    with pytest.raises(ValueError, match="whole pool"):
+        scheduler.add("big", list(range(1, 3 * per_block)), 4)
+    with pytest.raises(PoolExhaustedError):
+        target.reserve("big", 3 * per_block)
+    sizes = []
+    while scheduler.has_work():
+        sizes.append(len(scheduler.step()))
+    assert max(sizes) == 2 and target.num_blocks <= 2
