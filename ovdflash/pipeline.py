@@ -105,6 +105,8 @@ class DFlashPipeline:
         self.numerics: Numerics | None = None  # the target's precisions, when built by from_pretrained
         self.vocab_size: int | None = None  # token ids must be below it, when known
         self._busy = threading.Lock()  # one generation at a time: the runners hold one sequence's caches
+        self._batch_target = None  # batched runner and drafter pool, made on the first generate_batch
+        self._drafter_pool = None
         self._busy_thread: int | None = None
 
     @classmethod
@@ -320,6 +322,82 @@ class DFlashPipeline:
                               prompt_lookup=prompt_lookup):
             pass
         return result
+
+
+    # -- several sequences at once ---------------------------------------------------------------
+    def batch_target(self, pool_blocks: int | None = None):
+        """The batched paged runner beside this pipeline's target (made once; same compiled model)."""
+        if self._batch_target is None or (pool_blocks is not None and pool_blocks != self._batch_target.pool_blocks):
+            from .batch_runners import batch_target_for
+
+            self._batch_target = batch_target_for(self.target, pool_blocks)
+        return self._batch_target
+
+    def generate_batch(self, prompts, max_new_tokens: int = 256, temperature: float = 0.0,
+                       top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
+                       block_size: int | None = None, draft: bool | None = None,
+                       apply_chat_template: bool = False, prompt_lookup: bool | None = None,
+                       max_batch_size: int = 8, pool_blocks: int | None = None) -> list[GenerationResult]:
+        """`generate` for every prompt, verified together: one target inference per round for all
+        running sequences (continuous batching, at most max_batch_size at once). Each result equals
+        that prompt's `generate` alone with the same arguments (greedy exactly; sampled with the
+        same seed, the same draws)."""
+        from .batch_runners import DrafterPool
+        from .scheduler import Scheduler
+
+        if isinstance(prompts, (str, dict)) or not hasattr(prompts, "__iter__"):
+            raise TypeError("prompts must be a list of prompts (strings, message lists or token-id lists)")
+        prompts = list(prompts)
+        check_positive_int("max_new_tokens", max_new_tokens)
+        block_size = self.default_block_size if block_size is None else block_size
+        if block_size == "auto":
+            raise ValueError("block_size='auto' is for one sequence at a time; give generate_batch an integer")
+        check_positive_int("block_size", block_size)
+        if draft and self.drafter is None:
+            raise ValueError("draft=True, but this pipeline was loaded without a drafter")
+        if draft is not False and self.drafter is not None and block_size > self.block_size:
+            raise ValueError(f"block_size {block_size} exceeds the drafter's trained block size {self.block_size}")
+        use_drafter = draft is not False and self.drafter is not None and block_size > 1
+        use_lookup = (self.prompt_lookup if prompt_lookup is None else prompt_lookup) and use_drafter
+        stops = check_stops(stop)
+        params = SamplingParams(temperature, top_p, top_k, seed)
+        encoded = [self.encode_prompt(p, apply_chat_template) for p in prompts]
+        results = [GenerationResult("", [], "", GenerationStats()) for _ in prompts]
+        eos = set(self.eos_token_ids)
+        with self._exclusive():
+            if self._drafter_pool is None and self.drafter is not None:
+                self._drafter_pool = DrafterPool(self.drafter)
+            scheduler = Scheduler(self.batch_target(pool_blocks), self._drafter_pool if use_drafter else None,
+                                  max_batch_size)
+            detoks = {}
+            for i, ids in enumerate(encoded):
+                results[i].stats = scheduler.add(i, ids, max_new_tokens, params, block_size if use_drafter else 1,
+                                                 bool(use_lookup), tuple(self.eos_token_ids))
+                detoks[i] = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+            try:
+                while scheduler.has_work():
+                    for i, events in scheduler.step():
+                        result, detok = results[i], detoks[i]
+                        for event in events:
+                            result.token_ids.append(event.token)
+                            result.finish_reason = event.finish_reason or result.finish_reason
+                            if detok is None:
+                                continue
+                            delta = detok.add([event.token]) if event.token not in eos else ""
+                            if event.finish_reason:
+                                delta += detok.flush()
+                            result.text += delta
+                            cut = _find_stop(result.text, len(result.text) - len(delta), stops)
+                            if cut is not None:  # a stop string: this sequence ends here
+                                result.text, result.finish_reason = result.text[:cut], "stop"
+                                scheduler.abort(i)
+                                break
+            finally:
+                for i in list(detoks):
+                    scheduler.abort(i)  # an interrupted batch gives its blocks and drafters back
+                for result in results:
+                    self.stats.merge(result.stats)
+        return results
 
 
 def _find_stop(text: str, new_from: int, stops: list[str]) -> int | None:

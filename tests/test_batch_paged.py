@@ -60,3 +60,23 @@ def test_pool_limit_waits_and_refuses_cleanly(pipe):
     while scheduler.has_work():
         sizes.append(len(scheduler.step()))
     assert max(sizes) == 2 and target.num_blocks <= 2
+
+
+def test_generate_batch_equals_generate_alone(pipe):
+    """The public batch API: greedy and seeded sampling, mixed prompt lengths, a stop string."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 500, size=int(n)).tolist() for n in (3, 17, 9, 31, 5)]
+    for kwargs in ({"block_size": 4}, {"block_size": 1}, {"block_size": 4, "temperature": 0.9, "seed": 11},
+                   {"block_size": 2, "prompt_lookup": True}):
+        batch = pipe.generate_batch(prompts, max_new_tokens=10, max_batch_size=3, **kwargs)
+        for prompt, got in zip(prompts, batch):
+            want = list(pipe.generate_tokens(prompt, 10, **kwargs))
+            assert got.token_ids == [e.token for e in want], kwargs
+            assert got.finish_reason == want[-1].finish_reason
+            alone_stats = pipe.last_stats
+            assert got.stats.num_output_tokens == len(want) == alone_stats.num_output_tokens
+            assert got.stats.num_accepted_tokens == alone_stats.num_accepted_tokens
+    with pytest.raises(ValueError, match="auto"):
+        pipe.generate_batch(prompts, block_size="auto")
+    with pytest.raises(TypeError, match="list of prompts"):
+        pipe.generate_batch("one string")
