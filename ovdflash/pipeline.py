@@ -166,16 +166,10 @@ class DFlashPipeline:
                         stats: GenerationStats | None = None,
                         prompt_lookup: bool | None = None) -> Iterator[engine.TokenEvent]:
         params = SamplingParams(temperature, top_p, top_k, seed)
-        if draft and self.drafter is None:
-            raise ValueError("draft=True, but this pipeline was loaded without a drafter")
         prompt_ids = check_token_ids(prompt_ids, self.vocab_size)
         check_positive_int("max_new_tokens", max_new_tokens)
-        block_size = self.default_block_size if block_size is None else block_size
+        block_size = self._check_block_size(block_size, draft)
         auto = block_size == "auto"
-        if not auto:
-            check_positive_int("block_size", block_size, "an integer or 'auto'")
-            if block_size > self.block_size and draft is not False:
-                raise ValueError(f"block_size {block_size} exceeds the drafter's trained block size {self.block_size}")
         use_drafter = self.drafter if draft is not False and (auto or block_size > 1) else None
         policy = self.auto_block_policy() if auto and use_drafter is not None else None
         if auto:
@@ -187,6 +181,17 @@ class DFlashPipeline:
         events = engine.generate(self.target, use_drafter, prompt_ids, max_new_tokens, params, eos,
                                  block_size if use_drafter is not None else 1, call_stats, policy, lookup)
         return self._recorded(events, call_stats, stats)
+
+    def _check_block_size(self, block_size, draft: bool | None):
+        """block_size as a call asked for it (None: the manifest's default), checked against the drafter."""
+        if draft and self.drafter is None:
+            raise ValueError("draft=True, but this pipeline was loaded without a drafter")
+        block_size = self.default_block_size if block_size is None else block_size
+        if block_size != "auto":
+            check_positive_int("block_size", block_size, "an integer or 'auto'")
+            if block_size > self.block_size and draft is not False:
+                raise ValueError(f"block_size {block_size} exceeds the drafter's trained block size {self.block_size}")
+        return block_size
 
     @contextmanager
     def _exclusive(self):
@@ -274,13 +279,9 @@ class DFlashPipeline:
         try:
             for event in events:
                 result.token_ids.append(event.token)
-                delta = detok.add([event.token]) if event.token not in eos else ""
-                if event.finish_reason:
-                    delta += detok.flush()
-                text += delta
-                cut = _find_stop(text, len(text) - len(delta), stops)
-                if cut is not None:  # this token completed a stop string: end here, mid-block or not
-                    text, result.finish_reason = text[:cut], "stop"
+                text, stopped = _extend_text(text, event, detok, eos, stops)
+                if stopped:  # this token completed a stop string: end here, mid-block or not
+                    result.finish_reason = "stop"
                     break
                 result.finish_reason = event.finish_reason
                 if not event.from_draft or event.finish_reason:  # end of an accepted block
@@ -323,7 +324,6 @@ class DFlashPipeline:
             pass
         return result
 
-
     # -- several sequences at once ---------------------------------------------------------------
     def batch_target(self, pool_blocks: int | None = None):
         """The batched paged runner beside this pipeline's target (made once; same compiled model)."""
@@ -349,14 +349,9 @@ class DFlashPipeline:
             raise TypeError("prompts must be a list of prompts (strings, message lists or token-id lists)")
         prompts = list(prompts)
         check_positive_int("max_new_tokens", max_new_tokens)
-        block_size = self.default_block_size if block_size is None else block_size
+        block_size = self._check_block_size(block_size, draft)
         if block_size == "auto":
             raise ValueError("block_size='auto' is for one sequence at a time; give generate_batch an integer")
-        check_positive_int("block_size", block_size)
-        if draft and self.drafter is None:
-            raise ValueError("draft=True, but this pipeline was loaded without a drafter")
-        if draft is not False and self.drafter is not None and block_size > self.block_size:
-            raise ValueError(f"block_size {block_size} exceeds the drafter's trained block size {self.block_size}")
         use_drafter = draft is not False and self.drafter is not None and block_size > 1
         use_lookup = (self.prompt_lookup if prompt_lookup is None else prompt_lookup) and use_drafter
         stops = check_stops(stop)
@@ -369,11 +364,10 @@ class DFlashPipeline:
                 self._drafter_pool = DrafterPool(self.drafter)
             scheduler = Scheduler(self.batch_target(pool_blocks), self._drafter_pool if use_drafter else None,
                                   max_batch_size)
-            detoks = {}
             for i, ids in enumerate(encoded):
                 results[i].stats = scheduler.add(i, ids, max_new_tokens, params, block_size if use_drafter else 1,
                                                  bool(use_lookup), tuple(self.eos_token_ids))
-                detoks[i] = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+            detoks = [IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None for _ in prompts]
             try:
                 while scheduler.has_work():
                     for i, events in scheduler.step():
@@ -383,21 +377,27 @@ class DFlashPipeline:
                             result.finish_reason = event.finish_reason or result.finish_reason
                             if detok is None:
                                 continue
-                            delta = detok.add([event.token]) if event.token not in eos else ""
-                            if event.finish_reason:
-                                delta += detok.flush()
-                            result.text += delta
-                            cut = _find_stop(result.text, len(result.text) - len(delta), stops)
-                            if cut is not None:  # a stop string: this sequence ends here
-                                result.text, result.finish_reason = result.text[:cut], "stop"
+                            result.text, stopped = _extend_text(result.text, event, detok, eos, stops)
+                            if stopped:  # a stop string: this sequence ends here
+                                result.finish_reason = "stop"
                                 scheduler.abort(i)
                                 break
             finally:
-                for i in list(detoks):
+                for i in range(len(prompts)):
                     scheduler.abort(i)  # an interrupted batch gives its blocks and drafters back
                 for result in results:
                     self.stats.merge(result.stats)
         return results
+
+
+def _extend_text(text: str, event, detok: IncrementalDetokenizer, eos, stops: list[str]) -> tuple[str, bool]:
+    """text with event's token decoded (EOS adds none); True, and cut there, when a stop string completed."""
+    delta = detok.add([event.token]) if event.token not in eos else ""
+    if event.finish_reason:
+        delta += detok.flush()
+    text += delta
+    cut = _find_stop(text, len(text) - len(delta), stops)
+    return (text, False) if cut is None else (text[:cut], True)
 
 
 def _find_stop(text: str, new_from: int, stops: list[str]) -> int | None:

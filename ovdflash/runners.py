@@ -36,7 +36,7 @@ import numpy as np
 import openvino as ov
 
 from . import graphs
-from .manifest import DEFAULT_TARGET_RUNNER, DRAFT_VOCAB, DRAFTER_XML, TARGET_XML, parse_target_runner
+from .manifest import DEFAULT_TARGET_RUNNER, DRAFT_VOCAB, DRAFTER_XML, TARGET_XML, parse_target_runner, runners_for
 
 # Drafter-only compile defaults. No dynamic quantization: the drafter's FullyConnected layers see
 # 1-8 rows a call, where quantizing the activations costs more than it saves (SmolLM2's int8
@@ -335,7 +335,7 @@ def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", 
     `target_runner` (`TARGET_RUNNERS`): "stateful" (OVTarget) or "paged" (OVPagedTarget); "hybrid"
     (ovdflash.hybrid.HybridTarget) exactly when the manifest names it (a linear-attention target)."""
     target_runner = parse_target_runner(target_runner)
-    if (manifest.get("target_runner") == "hybrid") != (target_runner == "hybrid"):
+    if target_runner not in runners_for(manifest):
         raise ValueError(f"target runner {target_runner!r} does not fit this target "
                          f"(its manifest names {manifest.get('target_runner')!r})")
     model_dir = Path(model_dir)
