@@ -3,7 +3,8 @@
 Layout (one concern a module; this package's namespace is the public API that tools use):
 `prompts` (the held-out prompt sets), `runners` (our modes, the oracle, openvino.genai),
 `measure` (the interleaved timed runs, the CPU meter, the memory probe), `report` (statistics,
-tables, plot), `cli` (the click command and its progress display).
+tables, plot), `concurrency` (concurrent requests: batched against sequential), `cli` (the click
+command and its progress display).
 
 Contract:
 - Prompt sets are the held-out eval prompts shipped in `ovdflash_models/prompts/eval_<set>.jsonl`
@@ -43,6 +44,10 @@ Contract:
   by its wall time (from /proc/stat), so a contended machine shows in the JSON.
 - `agreement`: per mode, the fraction of runs whose tokens equal the `ar` run of the same
   prompt; 1.0 is expected under STRICT_F32 numerics, and near-ties may flip otherwise.
+- `--concurrency 1,2,4,8` (`concurrency`): C requests at once, interleaved per repetition:
+  `batch-dflash@B` (generate_batch), `batch-ar`, `genai-cb` (openvino.genai's
+  ContinuousBatchingPipeline) and `seq-dflash@B` (the C requests one after another); aggregate
+  tok/s, per-request TPOT, the cost per round, the ratios and goals (`bench_concurrency.json`).
 - With `dflash@auto`, `block_policy` records the policy's measured round costs (ms for k = 0..B-1
   drafts, steady state), its switch cost (ms) and its acceptance estimates at the end (it learns
   across all runs of the bench).

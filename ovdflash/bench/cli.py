@@ -4,6 +4,8 @@ Contract: runs `measure.run_benchmark` with the options below, then writes `OUT/
 (the summary, `settings`, `host` = `ovdflash.env.collect()`, `memory` with `--memory`) and
 `OUT/bench.png`, and prints the tables to stdout. Progress goes to stderr: a bar on a terminal,
 else one line per finished run (`run_progress`), so a long bench is never silent.
+With `--concurrency`, `concurrency.concurrency_command` runs instead (`OUT/bench_concurrency.*`;
+default modes and block size its own unless --modes / --block-sizes are given).
 """
 from __future__ import annotations
 
@@ -74,8 +76,12 @@ def run_progress(console):
 @click.option("--target-runner", type=click.Choice(TARGET_RUNNERS), default=None,
               help="how our modes run the target's attention: paged (openvino's paged attention, the default) "
                    "or stateful (the exported IR's KV states); default: the model directory's choice")
+@click.option("--concurrency", default=None,
+              help="comma-separated numbers of concurrent requests, e.g. 1,2,4,8: benchmark batched DFlash "
+                   "(modes batch-dflash, batch-ar, genai-cb, seq-dflash; block size default: the manifest's) "
+                   "and write bench_concurrency.json instead")
 def bench(model_dir, prompt_sets, num_prompts, max_new_tokens, modes, block_sizes, repetitions, warmup,
-          out_dir, memory, config_json, target_runner):
+          out_dir, memory, config_json, target_runner, concurrency):
     """Benchmark DFlash against autoregressive baselines (greedy, interleaved runs, medians)."""
     from rich.console import Console
 
@@ -97,6 +103,17 @@ def bench(model_dir, prompt_sets, num_prompts, max_new_tokens, modes, block_size
     if not status.is_terminal:
         status.print(f"bench: compiling the modes of {model_dir} and warming up", markup=False, highlight=False,
                      soft_wrap=True)
+    if concurrency is not None:
+        from .concurrency import CONCURRENCY_MODES, concurrency_command, parse_concurrency
+
+        given = click.get_current_context().get_parameter_source
+        with run_progress(status) as progress:
+            concurrency_command(model_dir, parse_concurrency(concurrency), sets, num_prompts, max_new_tokens,
+                                list(CONCURRENCY_MODES) if given("modes").name == "DEFAULT"
+                                else [m for m in modes.split(",") if m],
+                                None if given("block_sizes").name == "DEFAULT" else parse_block_sizes(block_sizes),
+                                repetitions, warmup, out_dir, config, target_runner, console, progress)
+        return
     with run_progress(status) as progress:
         result = run_benchmark(model_dir, sets, num_prompts, max_new_tokens, [m for m in modes.split(",") if m],
                                parse_block_sizes(block_sizes), repetitions, warmup, config,
