@@ -93,7 +93,9 @@ def validate_pair(target, drafter, block_size: int | None = None) -> PairInfo:
     from .drafter import DrafterConfig
     from .target import SUPPORTED_ARCHS
 
-    target, drafter = Path(target), Path(drafter)
+    from .hub import resolve_pair  # a hub id becomes its cached snapshot; a local path stays as it is
+
+    target, drafter = resolve_pair(target, drafter)
     tcfg = _target_config(target)
     arch = tcfg.get("model_type")
     if arch not in SUPPORTED_ARCHS:
@@ -301,6 +303,9 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
         raise ExportError(f"output directory exists and is not an ovdflash export: {out_dir}")
 
     step("validating the pair")
+    from .hub import resolve_pair
+
+    target, drafter = resolve_pair(target, drafter)
     info = validate_pair(target, drafter, block_size)
     if not int(info.target_config.get("max_position_embeddings") or 0):
         raise ExportError("the target's config.json names no max_position_embeddings (its context length); "
