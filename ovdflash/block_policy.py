@@ -48,6 +48,10 @@ Contract:
   shape a compiled model has run keeps CPU-plugin memory (SmolLM2 int8: calibrating k = 0..7 cost
   ~60 MB more than 0..2), and a verify costs about the same per extra token; a longer block is
   then first run only when the policy picks it, and `observe_round` corrects its estimate.
+- `BatchDraftPolicy` is the same choice for a batch of sequences sharing one target call (the
+  scheduler's block_size "auto"): from the batch's cost curve by total tokens and each sequence's
+  acceptance (`DraftAcceptance`, the estimator BlockPolicy uses); `measure_batch_costs` measures
+  that curve on the batched runner.
 Any policy only changes how many tokens are verified, never which are kept: output stays
 identical to autoregressive decoding (greedy) or distributed as it (sampling).
 Pure python/numpy: no OpenVINO here.
@@ -79,9 +83,6 @@ class BlockPolicy:
         self.switch_horizon = switch_horizon
         self.previous_k: int | None = None  # k of the last round of this sequence (None: none yet)
         self.cost_update_rate = cost_update_rate
-        self.prior_acceptance = prior_acceptance
-        self.prior_strength = prior_strength
-        self.decay = decay
         self.explore_every = explore_every
         self.max_explore_every = max_explore_every
         self.explore_wait = explore_every  # AR choices before the next probe
@@ -91,19 +92,27 @@ class BlockPolicy:
         self.drift_rate = drift_rate
         self.probe_left = 0  # rounds of the current probe still to run
         self.probe_k = 0
-        self.accepted = [0.0] * self.max_drafts  # decayed counts per draft position (1-based i -> [i-1])
-        self.seen = [0.0] * self.max_drafts
+        self.estimate = DraftAcceptance(self.max_drafts, prior_acceptance, prior_strength, decay)
         self.ar_streak = 0
 
+    @property
+    def accepted(self) -> list[float]:
+        return self.estimate.accepted
+
+    @accepted.setter
+    def accepted(self, counts) -> None:
+        self.estimate.accepted = list(counts)
+
+    @property
+    def seen(self) -> list[float]:
+        return self.estimate.seen
+
+    @seen.setter
+    def seen(self, counts) -> None:
+        self.estimate.seen = list(counts)
+
     def acceptance(self) -> list[float]:
-        """Estimated conditional acceptance p_i of draft i, i = 1..max_drafts. The prior mean of
-        p_i is p_{i-1} (of p_1: `prior_acceptance`), so rarely verified late positions look like
-        the last well-observed one: a good drafter gets its longer blocks tried, and verified."""
-        estimates, prior = [], self.prior_acceptance
-        for a, n in zip(self.accepted, self.seen):
-            prior = (a + self.prior_strength * prior) / (n + self.prior_strength)
-            estimates.append(prior)
-        return estimates
+        return self.estimate.acceptance()
 
     def begin_sequence(self) -> None:
         self.previous_k = None
@@ -158,6 +167,37 @@ class BlockPolicy:
                 excess = min(max(seconds - estimate, 0.0), estimate)
                 self.switch_cost_s += self.cost_update_rate * (excess - self.switch_cost_s)
         self.previous_k = num_drafted
+        self.estimate.observe(num_drafted, num_accepted)
+
+
+class DraftAcceptance:
+    """Per-position acceptance of one drafter on one stream of rounds (decayed counts + Beta prior)."""
+
+    def __init__(self, max_drafts: int, prior_acceptance: float = 0.5, prior_strength: float = 2.0,
+                 decay: float = 0.95):
+        self.max_drafts = max_drafts
+        self.prior_acceptance = prior_acceptance
+        self.prior_strength = prior_strength
+        self.decay = decay
+        self.accepted = [0.0] * max_drafts  # decayed counts per draft position (1-based i -> [i-1])
+        self.seen = [0.0] * max_drafts
+
+    def acceptance(self) -> list[float]:
+        """Estimated conditional acceptance p_i of draft i, i = 1..max_drafts. The prior mean of
+        p_i is p_{i-1} (of p_1: `prior_acceptance`), so rarely verified late positions look like
+        the last well-observed one: a good drafter gets its longer blocks tried, and verified."""
+        estimates, prior = [], self.prior_acceptance
+        for a, n in zip(self.accepted, self.seen):
+            prior = (a + self.prior_strength * prior) / (n + self.prior_strength)
+            estimates.append(prior)
+        return estimates
+
+    def expected_tokens(self) -> np.ndarray:
+        """E[accepted + 1](k) for k = 0..max_drafts."""
+        return 1.0 + np.concatenate(([0.0], np.cumsum(np.cumprod(self.acceptance()))))
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        """Positions 1..a accepted, a+1 rejected (if a < drafted), later ones unseen; 0 drafts: nothing."""
         if num_drafted == 0:
             return
         self.accepted = [a * self.decay for a in self.accepted]
@@ -244,3 +284,148 @@ def extend_linearly(curve: list[float], max_drafts: int, min_slope: float = 0.0)
     m = len(curve) - 1
     step = max((curve[m] - curve[1]) / (m - 1) if m >= 2 else 0.0, min_slope)
     return curve + [curve[-1] + step * j for j in range(1, max_drafts + 2 - len(curve))]
+
+
+# -- several sequences per target call ------------------------------------------------------------
+class BatchDraftPolicy:
+    """Load-aware drafting: each batched round, the drafts of every sequence (0 = an AR step).
+
+    `call_tokens` / `call_cost_s`: measured seconds of one batched target call by the tokens it
+    carries (all sequences together; interpolated between points, continued past the last one with
+    its final slope); `draft_cost_s[k]`: one sequence's drafter call for k drafts (`[0]` is 0).
+    `choose(states, caps, fixed_tokens)` picks k_i in 0..caps[i] that maximize the batch's expected
+    tokens per second, sum_i E_i[accepted + 1](k_i) / (call_cost(fixed_tokens + sum_i (k_i + 1)) +
+    sum_i draft_cost(k_i)): from all-AR it repeatedly takes the one step k_i -> k' that raises that
+    rate most, and stops when none does, so drafting is used where it pays and all-AR stays a
+    choice. Each sequence's acceptance is its own `DraftAcceptance` (`new_sequence()`,
+    `observe(state, drafted, accepted)`). A sequence held at AR for `explore_every` rounds probes
+    with `probe_drafts` drafts (the wait doubles up to `max_explore_every`, reset when drafting
+    is chosen), so its estimate does not freeze. `observe_call(tokens, seconds)` learns the cost
+    curve in use, as BlockPolicy.observe_round does (drift of the whole curve, then the point).
+    Output is unchanged by any choice: only how many tokens are verified."""
+
+    def __init__(self, call_tokens: Sequence[int], call_cost_s: Sequence[float], draft_cost_s: Sequence[float],
+                 explore_every: int = 16, max_explore_every: int = 128, probe_drafts: int = 2,
+                 cost_update_rate: float = 0.1, drift_rate: float = 0.3, prior_acceptance: float = 0.5,
+                 prior_strength: float = 2.0, decay: float = 0.95):
+        if len(call_tokens) != len(call_cost_s) or not call_tokens or list(call_tokens) != sorted(set(call_tokens)):
+            raise ValueError("call_tokens must be increasing, with one cost each")
+        if call_tokens[0] < 1 or min(call_cost_s) <= 0 or len(draft_cost_s) < 1:
+            raise ValueError(f"call costs must be > 0 for >= 1 tokens, got {list(call_cost_s)}")
+        self.call_tokens = [int(t) for t in call_tokens]
+        self.call_cost_s = nondecreasing(call_cost_s)
+        self.draft_cost_s = np.array([0.0] + [float(d) for d in draft_cost_s[1:]])
+        self.max_drafts = len(draft_cost_s) - 1
+        self.explore_every, self.max_explore_every, self.probe_drafts = explore_every, max_explore_every, probe_drafts
+        self.cost_update_rate, self.drift_rate = cost_update_rate, drift_rate
+        self.prior = (prior_acceptance, prior_strength, decay)
+
+    def call_cost(self, num_tokens) -> np.ndarray:
+        tokens, costs = self.call_tokens, self.call_cost_s
+        slope = (costs[-1] - costs[-2]) / (tokens[-1] - tokens[-2]) if len(tokens) > 1 else costs[0] / tokens[0]
+        num_tokens = np.asarray(num_tokens, dtype=np.float64)
+        inside = np.interp(num_tokens, tokens, costs)
+        return np.where(num_tokens > tokens[-1], costs[-1] + slope * (num_tokens - tokens[-1]), inside)
+
+    def new_sequence(self) -> dict:
+        return {"estimate": DraftAcceptance(self.max_drafts, *self.prior), "ar_streak": 0,
+                "explore_wait": self.explore_every}
+
+    def choose(self, states: list[dict], caps: Sequence[int], fixed_tokens: int = 0) -> list[int]:
+        caps = [max(0, min(int(c), self.max_drafts)) for c in caps]
+        gains = [s["estimate"].expected_tokens()[: c + 1] for s, c in zip(states, caps)]
+        ks = [0] * len(states)
+        tokens = fixed_tokens + len(states)
+        expected, drafting = float(len(states)), 0.0
+        cost = float(self.call_cost(tokens))
+        while True:
+            best_rate, best = expected / cost, None
+            for i, (k, cap) in enumerate(zip(ks, caps)):
+                if k >= cap:
+                    continue
+                options = np.arange(k + 1, cap + 1)
+                new_cost = (self.call_cost(tokens + options - k) + drafting
+                            + self.draft_cost_s[options] - self.draft_cost_s[k])
+                rates = (expected + gains[i][options] - gains[i][k]) / new_cost
+                j = int(np.argmax(rates))
+                if rates[j] > best_rate * (1 + 1e-9):
+                    best_rate, best = rates[j], (i, int(options[j]))
+            if best is None:
+                break
+            i, k = best
+            tokens += k - ks[i]
+            expected += gains[i][k] - gains[i][ks[i]]
+            drafting += self.draft_cost_s[k] - self.draft_cost_s[ks[i]]
+            ks[i] = k
+            cost = float(self.call_cost(tokens)) + drafting
+        for i, state in enumerate(states):
+            if ks[i]:
+                state["ar_streak"], state["explore_wait"] = 0, self.explore_every
+            elif caps[i]:
+                state["ar_streak"] += 1
+                if state["ar_streak"] > state["explore_wait"]:  # probe: an AR-only estimate never changes
+                    ks[i] = min(caps[i], self.probe_drafts)
+                    state["ar_streak"] = 0
+                    state["explore_wait"] = min(2 * state["explore_wait"], self.max_explore_every)
+        return ks
+
+    @staticmethod
+    def observe(state: dict, num_drafted: int, num_accepted: int) -> None:
+        state["estimate"].observe(num_drafted, num_accepted)
+
+    def observe_call(self, num_tokens: int, seconds: float) -> None:
+        estimate = float(self.call_cost(num_tokens))
+        sample = min(max(seconds, 0.5 * estimate), 2.0 * estimate)
+        drift = (sample / estimate) ** self.drift_rate  # the whole machine got slower or faster
+        self.call_cost_s = [c * drift for c in self.call_cost_s]
+        estimate *= drift
+        if num_tokens > self.call_tokens[-1]:  # a size never run: it becomes a point of the curve
+            self.call_tokens.append(int(num_tokens))
+            self.call_cost_s.append(estimate)
+        j = int(np.argmin([abs(t - num_tokens) for t in self.call_tokens]))
+        self.call_cost_s[j] += self.cost_update_rate * (sample - estimate)
+        self.call_cost_s = nondecreasing(self.call_cost_s)
+
+
+BATCH_CALL_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+def measure_batch_costs(target, drafter, max_tokens: int, max_drafts: int, repetitions: int = 3,
+                        context_tokens: int = 32) -> tuple[list[int], list[float], list[float]]:
+    """(call_tokens, call_cost_s, draft_cost_s) for BatchDraftPolicy: medians of `repetitions`
+    batched target calls of each size in BATCH_CALL_SIZES up to max_tokens (one sequence after a
+    `context_tokens` prompt; sizes interleaved so machine noise hits all alike), and of drafter
+    calls for 1 and max_drafts drafts (interpolated between). Leaves both runners as it found them
+    (the calibration sequence is released; the drafter is reset)."""
+    sizes = [t for t in BATCH_CALL_SIZES if t <= max_tokens] or [1]
+    key = ("calibration", id(target))
+    budget = context_tokens + repetitions * len(sizes) + max(sizes)
+    if budget >= target.max_length or not target.reserve(key, budget):
+        raise RuntimeError(f"no room to measure the batch costs ({budget} tokens of KV cache needed)")
+    try:
+        ids = (np.arange(context_tokens + max(sizes), dtype=np.int64) % 97) + 1
+        ((_, feats),) = target.forward([(key, ids[:context_tokens], [context_tokens - 1])])
+        feats = np.array(feats)
+        target.commit(key, context_tokens)
+        costs = {t: [] for t in sizes}
+        for rep in range(repetitions):
+            for t in sizes[rep % len(sizes):] + sizes[: rep % len(sizes)]:
+                t0 = time.perf_counter()
+                target.forward([(key, ids[:t], np.arange(t))])
+                costs[t].append(time.perf_counter() - t0)
+                target.commit(key, 1)
+        drafter.reset()
+        drafter.propose(int(ids[0]), feats, context_tokens, 1)
+        draft = {1: [], max_drafts: []}
+        for _ in range(repetitions):
+            for k in draft:
+                t0 = time.perf_counter()
+                drafter.propose(int(ids[0]), feats[:0], context_tokens, k)
+                draft[k].append(time.perf_counter() - t0)
+        drafter.reset()
+    finally:
+        target.release(key)
+    d1, dmax = statistics.median(draft[1]), statistics.median(draft[max_drafts])
+    per_draft = (dmax - d1) / (max_drafts - 1) if max_drafts > 1 else 0.0
+    draft_cost = [0.0] + [d1 + per_draft * (k - 1) for k in range(1, max_drafts + 1)]
+    return sizes, nondecreasing([statistics.median(costs[t]) for t in sizes]), draft_cost

@@ -6,9 +6,14 @@ options as chat (`-c KEY=VALUE`, `--target-runner`, `--precision`, `--block-size
 until SIGTERM or SIGINT, then exits 0 after open requests end (docs/SERVING.md). Options spelled
 as vLLM's: `--api-key` (or OVDFLASH_API_KEY; without it the server is open, so a non-loopback
 `--host` without a key is refused unless `--allow-open` says so), `--served-model-name`
-(repeatable; default: the directory's name), `--max-num-seqs` (running sequences: 1 until
-batched generation), `--max-queue`, `--max-model-len`, `--max-request-bytes`. Bad options are
-one-line errors before the model loads where they can be.
+(repeatable; default: the directory's name), `--max-num-seqs` (sequences generating at once,
+default 8 with the paged target runner, 1 with the others: continuous batching, one target call
+per round for all of them; 1: one request at a time, any runner), `--kv-cache-memory-bytes` (the batch's KV
+block pool limit; default: --max-num-seqs full-context sequences, at most half the machine's
+memory), `--max-queue`, `--max-model-len`, `--max-request-bytes`. With batching, `--block-size`
+defaults to "auto": each round's drafts are chosen for the whole batch from its measured cost
+curve (block_policy.BatchDraftPolicy). Bad options are one-line errors before the model loads
+where they can be.
 """
 from __future__ import annotations
 
@@ -21,6 +26,9 @@ import click
 from . import TARGET_RUNNERS
 from .chat import _parse_block_size, _sigint_to_main_thread_only, parse_config_options
 from .precision import PRECISIONS
+
+
+DEFAULT_MAX_NUM_SEQS = 8
 
 
 def _is_loopback(host: str) -> bool:
@@ -45,23 +53,60 @@ def load_pipeline(model_dir, device, no_draft, cache_dir, target_runner, prompt_
     return pipe
 
 
+def parse_bytes(text) -> int:
+    """'1073741824', '512M', '4G' or '4GiB' as bytes (K, M, G, T: powers of 1024, as vLLM reads them)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
+    if m is None or float(m.group(1)) <= 0:
+        raise ValueError(f"--kv-cache-memory-bytes must be a size such as 4G or 536870912, got {text!r}")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+
+
+def default_kv_cache_bytes(cache_inputs, max_length: int, max_num_seqs: int) -> int:
+    """max_num_seqs full-context sequences, at most half the machine's memory (a limit: blocks are
+    allocated as sequences grow)."""
+    import os
+
+    import numpy as np
+
+    per_block = sum(int(np.prod(shape)) * element_type.size for _, element_type, shape in cache_inputs)
+    block_tokens = next(shape[1] for name, _, shape in cache_inputs if name.startswith("value_cache."))
+    full_context = -(-max_length // block_tokens) * per_block
+    return int(min(max_num_seqs * full_context, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2))
+
+
 def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_num_seqs=1, max_queue=128,
-                     max_model_len=None, api_key=None, max_request_bytes=None):
-    """The FastAPI app over `pipe`: scheduler, engine, metrics and endpoints wired together."""
+                     max_model_len=None, api_key=None, max_request_bytes=None, kv_cache_memory_bytes=None):
+    """The FastAPI app over `pipe`: scheduler, engine, metrics and endpoints wired together.
+    max_num_seqs 1: one request at a time (SequentialScheduler); more: continuous batching
+    (BatchedScheduler over the paged runner's block pool)."""
     from .server.app import DEFAULT_MAX_REQUEST_BYTES, build_app
-    from .server.async_engine import AsyncEngine, SequentialScheduler
+    from .server.async_engine import AsyncEngine, BatchedScheduler, SequentialScheduler
     from .server.metrics import ServerMetrics
 
-    if max_num_seqs != 1:
-        raise ValueError(f"--max-num-seqs {max_num_seqs}: this engine runs one sequence at a time "
-                         "(one target KV cache per pipeline); only 1 is possible until batched generation")
+    if max_num_seqs is None:  # batch where the runner can
+        from .runners import OVPagedTarget
+
+        max_num_seqs = DEFAULT_MAX_NUM_SEQS if isinstance(pipe.target, OVPagedTarget) else 1
+    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+        raise ValueError(f"--max-num-seqs must be an integer >= 1, got {max_num_seqs!r}")
     if max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {max_queue}")
     context = pipe.target.max_length
     if max_model_len is not None and not 2 <= max_model_len <= context:
         raise ValueError(f"--max-model-len must be in 2..{context} (the model's context), got {max_model_len}")
-    engine = AsyncEngine(SequentialScheduler(pipe, block_size, draft), max_num_seqs, max_queue,
-                         ServerMetrics(served_model_names[0]), max_model_len or context)
+    if max_num_seqs == 1:
+        scheduler = SequentialScheduler(pipe, block_size, draft)
+    else:
+        from .batch_runners import blocks_for_bytes, batch_target_for
+
+        cache_inputs = batch_target_for(pipe.target, 1).cache_inputs  # also: the paged runner, or a clear error
+        num_bytes = (parse_bytes(kv_cache_memory_bytes) if kv_cache_memory_bytes is not None
+                     else default_kv_cache_bytes(cache_inputs, context, max_num_seqs))
+        scheduler = BatchedScheduler(pipe, block_size, draft, max_num_seqs, blocks_for_bytes(cache_inputs, num_bytes))
+    engine = AsyncEngine(scheduler, max_num_seqs, max_queue, ServerMetrics(served_model_names[0]),
+                         max_model_len or context)
     return build_app(engine, served_model_names, api_key,
                      max_request_bytes if max_request_bytes is not None else DEFAULT_MAX_REQUEST_BYTES)
 
@@ -80,8 +125,12 @@ def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_
 @click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding on the same target.")
 @click.option("--prompt-lookup/--no-prompt-lookup", default=True, show_default=True,
               help="n-gram lookup drafts beside the drafter's (output unchanged).")
-@click.option("--max-num-seqs", type=int, default=1, show_default=True,
-              help="Sequences generating at once (1: one target KV cache per pipeline).")
+@click.option("--max-num-seqs", type=click.IntRange(1), default=None,
+              help="Sequences generating at once, verified in one target call per round (paged runner; "
+                   "default 8, or 1 with another runner); 1: one request at a time.")
+@click.option("--kv-cache-memory-bytes", default=None, metavar="SIZE",
+              help="KV block pool limit for batching, e.g. 4G (default: --max-num-seqs full-context sequences, "
+                   "at most half the memory).")
 @click.option("--max-queue", type=int, default=128, show_default=True,
               help="Requests that may wait for the engine; beyond it: 503 with Retry-After.")
 @click.option("--max-model-len", type=int, default=None,
@@ -102,29 +151,30 @@ def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_size, no_draft, prompt_lookup,
-          max_num_seqs, max_queue, max_model_len, max_request_bytes, shutdown_timeout, device, cache_dir, config,
-          target_runner, precision, log_level):
+          max_num_seqs, kv_cache_memory_bytes, max_queue, max_model_len, max_request_bytes, shutdown_timeout, device,
+          cache_dir, config, target_runner, precision, log_level):
     """Serve MODEL_DIR (default: SmolLM2-135M + shipped drafter) as an OpenAI-compatible API."""
     if not api_key and not _is_loopback(host) and not allow_open:
         raise click.ClickException(f"--host {host} is reachable from other machines and there is no --api-key: "
                                    "give a key, or --allow-open to serve without one")
-    if max_num_seqs != 1:
-        raise click.ClickException(f"--max-num-seqs {max_num_seqs}: only 1 until batched generation "
-                                   "(one target KV cache per pipeline; docs/SERVING.md)")
     try:
+        if kv_cache_memory_bytes is not None:
+            parse_bytes(kv_cache_memory_bytes)
         block_size = _parse_block_size(block_size)
         from .server.app import run_server  # fastapi/uvicorn missing: a clear error before the slow load
         pipe = load_pipeline(model_dir, device, no_draft, cache_dir, target_runner, prompt_lookup, precision,
                              config, block_size)
         names = list(served_model_name) or [Path(pipe.model_dir).name]
         app = build_server_app(pipe, names, block_size, False if no_draft else None, max_num_seqs, max_queue,
-                               max_model_len, api_key, max_request_bytes)
+                               max_model_len, api_key, max_request_bytes, kv_cache_memory_bytes)
     except ImportError as exc:
         raise click.ClickException(f"the server needs its extra: pip install 'ovdflash[serve]' ({exc})") from exc
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from exc
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    click.echo(f"serving {names[0]} ({pipe.model_dir}) on http://{host}:{port}/v1, block size "
-               f"{block_size or pipe.default_block_size}, {'API key required' if api_key else 'no API key'}",
-               err=True)
+    batched = app.state.engine.max_num_seqs > 1
+    batching = f"up to {app.state.engine.max_num_seqs} sequences per round" if batched else "one request at a time"
+    click.echo(f"serving {names[0]} ({pipe.model_dir}) on http://{host}:{port}/v1, {batching}, block size "
+               f"{block_size or ('auto' if batched else pipe.default_block_size)}, "
+               f"{'API key required' if api_key else 'no API key'}", err=True)
     run_server(app, host, port, shutdown_timeout, log_level)

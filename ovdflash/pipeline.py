@@ -50,7 +50,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from . import engine
-from .block_policy import BlockPolicy, measure_costs
+from .block_policy import BatchDraftPolicy, BlockPolicy, measure_batch_costs, measure_costs
 from .lookup import NgramLookup
 from .manifest import load_manifest, parse_target_runner
 from .precision import Numerics, compile_config
@@ -107,6 +107,7 @@ class DFlashPipeline:
         self._busy = threading.Lock()  # one generation at a time: the runners hold one sequence's caches
         self._batch_target = None  # batched runner and drafter pool, made on the first generate_batch
         self._drafter_pool = None
+        self._batch_draft_policy = None
         self._busy_thread: int | None = None
 
     @classmethod
@@ -333,60 +334,53 @@ class DFlashPipeline:
             self._batch_target = batch_target_for(self.target, pool_blocks)
         return self._batch_target
 
+    def batch_draft_policy(self, max_batch_size: int = 8):
+        """The load-aware policy behind generate_batch's block_size="auto" (block_policy.BatchDraftPolicy):
+        on first use, measures batched target calls up to max_batch_size full blocks and the
+        drafter's cost; it keeps learning costs across calls (acceptance is per sequence)."""
+        if self._batch_draft_policy is None:
+            if self.drafter is None:
+                raise ValueError("block_size='auto' needs a drafter")
+            from .batch_runners import DrafterPool
+
+            if self._drafter_pool is None:
+                self._drafter_pool = DrafterPool(self.drafter)
+            drafter = self._drafter_pool.take()
+            try:
+                tokens, call_cost_s, draft_cost_s = measure_batch_costs(
+                    self.batch_target(), drafter, max_batch_size * self.block_size, self.block_size - 1)
+            finally:
+                self._drafter_pool.give(drafter)
+            self._batch_draft_policy = BatchDraftPolicy(tokens, call_cost_s, draft_cost_s)
+        return self._batch_draft_policy
+
     def generate_batch(self, prompts, max_new_tokens: int = 256, temperature: float = 0.0,
                        top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
-                       block_size: int | None = None, draft: bool | None = None,
+                       block_size: int | str | None = None, draft: bool | None = None,
                        apply_chat_template: bool = False, prompt_lookup: bool | None = None,
                        max_batch_size: int = 8, pool_blocks: int | None = None) -> list[GenerationResult]:
         """`generate` for every prompt, verified together: one target inference per round for all
-        running sequences (continuous batching, at most max_batch_size at once). Each result equals
-        that prompt's `generate` alone with the same arguments (greedy exactly; sampled with the
-        same seed, the same draws)."""
-        from .batch_runners import DrafterPool
-        from .scheduler import Scheduler
+        running sequences (continuous batching, at most max_batch_size at once; batch_generation).
+        Each result equals that prompt's `generate` alone with the same arguments (greedy exactly;
+        sampled with the same seed, the same draws). block_size="auto": each round's drafts are
+        chosen for the whole batch from its cost curve (`batch_draft_policy`)."""
+        from .batch_generation import BatchGeneration
 
         if isinstance(prompts, (str, dict)) or not hasattr(prompts, "__iter__"):
             raise TypeError("prompts must be a list of prompts (strings, message lists or token-id lists)")
         prompts = list(prompts)
-        check_positive_int("max_new_tokens", max_new_tokens)
-        block_size = self._check_block_size(block_size, draft)
-        if block_size == "auto":
-            raise ValueError("block_size='auto' is for one sequence at a time; give generate_batch an integer")
-        use_drafter = draft is not False and self.drafter is not None and block_size > 1
-        use_lookup = (self.prompt_lookup if prompt_lookup is None else prompt_lookup) and use_drafter
-        stops = check_stops(stop)
         params = SamplingParams(temperature, top_p, top_k, seed)
         encoded = [self.encode_prompt(p, apply_chat_template) for p in prompts]
-        results = [GenerationResult("", [], "", GenerationStats()) for _ in prompts]
-        eos = set(self.eos_token_ids)
         with self._exclusive():
-            if self._drafter_pool is None and self.drafter is not None:
-                self._drafter_pool = DrafterPool(self.drafter)
-            scheduler = Scheduler(self.batch_target(pool_blocks), self._drafter_pool if use_drafter else None,
-                                  max_batch_size)
-            for i, ids in enumerate(encoded):
-                results[i].stats = scheduler.add(i, ids, max_new_tokens, params, block_size if use_drafter else 1,
-                                                 bool(use_lookup), tuple(self.eos_token_ids))
-            detoks = [IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None for _ in prompts]
+            batch = BatchGeneration(self, max_batch_size, pool_blocks)
             try:
-                while scheduler.has_work():
-                    for i, events in scheduler.step():
-                        result, detok = results[i], detoks[i]
-                        for event in events:
-                            result.token_ids.append(event.token)
-                            result.finish_reason = event.finish_reason or result.finish_reason
-                            if detok is None:
-                                continue
-                            result.text, stopped = _extend_text(result.text, event, detok, eos, stops)
-                            if stopped:  # a stop string: this sequence ends here
-                                result.finish_reason = "stop"
-                                scheduler.abort(i)
-                                break
+                results = [batch.add(i, ids, max_new_tokens, params, stop, block_size, draft, prompt_lookup)
+                           for i, ids in enumerate(encoded)]
+                while batch.has_work():
+                    batch.step()
             finally:
-                for i in range(len(prompts)):
-                    scheduler.abort(i)  # an interrupted batch gives its blocks and drafters back
-                for result in results:
-                    self.stats.merge(result.stats)
+                for i in list(batch.requests):  # an interrupted batch gives its blocks and drafters back
+                    batch.abort(i)
         return results
 
 

@@ -5,10 +5,10 @@ Contract:
   in one pool: `reserve(seq_id, num_tokens) -> bool` (False: not now; ValueError: never),
   `release(seq_id)`, `committed(seq_id)`, `blocks_for(num_tokens)` against `pool_blocks`, `forward([(seq_id, token_ids, rows)]) -> [(logits rows,
   features)]` in ONE inference, and `commit(seq_id, k)`; `max_length` is the context limit.
-- `Scheduler(target, drafters=None, max_batch_size=8)`: `drafters` hands out one
+- `Scheduler(target, drafters=None, max_batch_size=8, draft_policy=None)`: `drafters` hands out one
   `engine.DrafterRunner` per sequence (`take()`, `give(d)`; batch_runners.DrafterPool) or is None
-  (AR only). `add(request_id, prompt_ids, max_new_tokens, params, block_size, prompt_lookup, eos)`
-  queues a request and returns the `GenerationStats` it fills; it waits (FIFO) until the pool can
+  (AR only). `add(request_id, prompt_ids, max_new_tokens, params, block_size, prompt_lookup, eos,
+  load_aware=False)` queues a request and returns the `GenerationStats` it fills; it waits (FIFO) until the pool can
   book prompt + max_new_tokens tokens and a batch slot is free. A prompt that leaves no room for a
   token is `engine.PromptTooLongError`, a request larger than the whole pool a ValueError, both at add.
 - `step()` runs one round for every running sequence: new ones prefill, the others verify
@@ -20,6 +20,10 @@ Contract:
   `engine.generate` yields for that request alone (greedy, or seeded sampling). A sequence leaves
   after its last event (finish_reason "stop" at EOS, "length" at exactly max_new_tokens, "context"
   when the context is full) and its blocks and drafter go back at once; waiting ones join next round.
+- Drafts per round: a sequence with a fixed block verifies block_size - 1 drafts (fewer near its
+  limits); a `load_aware` one gets the drafts `draft_policy` (block_policy.BatchDraftPolicy; set
+  it before adding such a request) chooses for the whole batch each round, 0..block_size - 1, from
+  the batch's cost curve and each sequence's acceptance. Either way output is unchanged.
 - `abort(request_id)` drops a waiting or running request (True if it was there); `has_work()`.
 - Timing stats: the shared target call is counted in full in every sequence's verify_s.
 """
@@ -76,24 +80,28 @@ class _Sequence:
     ctx_feats: np.ndarray | None = None
     drafts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     from_lookup: bool = False
+    policy_state: dict | None = None  # load-aware: the draft policy's view of this sequence
 
 
 class Scheduler:
-    def __init__(self, target: BatchTarget, drafters: DrafterSource | None = None, max_batch_size: int = 8):
+    def __init__(self, target: BatchTarget, drafters: DrafterSource | None = None, max_batch_size: int = 8,
+                 draft_policy=None):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         self.target = target
         self.drafters = drafters
         self.max_batch_size = max_batch_size
+        self.draft_policy = draft_policy
         self.waiting: deque[_Sequence] = deque()
         self.running: dict[Hashable, _Sequence] = {}
         self.num_steps = 0
         self.num_batched_tokens = 0  # tokens sent to the target, all steps
+        self.num_batched_sequences = 0  # sequences in the target calls, all steps
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, request_id: Hashable, prompt_ids: Sequence[int], max_new_tokens: int,
             params: SamplingParams | None = None, block_size: int = 1, prompt_lookup: bool = False,
-            eos: Sequence[int] = ()) -> GenerationStats:
+            eos: Sequence[int] = (), load_aware: bool = False) -> GenerationStats:
         prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
         if len(prompt) == 0:
             raise ValueError("empty prompt")
@@ -106,6 +114,8 @@ class Scheduler:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
         if block_size > 1 and self.drafters is None:
             raise ValueError(f"block_size {block_size} needs a drafter; this scheduler has none")
+        if load_aware and (self.draft_policy is None or block_size < 2):
+            raise ValueError("a load-aware request needs the scheduler's draft_policy and a block_size >= 2")
         if request_id in self.running or any(s.request_id == request_id for s in self.waiting):
             raise ValueError(f"request {request_id!r} is already queued")
         params = params or SamplingParams()
@@ -115,7 +125,8 @@ class Scheduler:
         stats = GenerationStats()
         self.waiting.append(_Sequence(request_id, prompt, int(max_new_tokens), params, params.make_randomness(),
                                       set(int(t) for t in eos), int(block_size), bool(prompt_lookup), stats,
-                                      time.perf_counter()))
+                                      time.perf_counter(),
+                                      policy_state=self.draft_policy.new_sequence() if load_aware else None))
         return stats
 
     def abort(self, request_id: Hashable) -> bool:
@@ -165,12 +176,13 @@ class Scheduler:
         if not self.running:
             return []
         batch, seqs = [], list(self.running.values())
+        chosen = self._load_aware_drafts(seqs)
         for seq in seqs:
             t0 = time.perf_counter()
             if not seq.prefilled:
                 batch.append((seq.request_id, seq.prompt, [len(seq.prompt) - 1]))
                 continue
-            self._choose_drafts(seq)
+            self._choose_drafts(seq, chosen.get(seq.request_id))
             seq.stats.draft_s += time.perf_counter() - t0
             ids = np.concatenate(([seq.last], seq.drafts)).astype(np.int64)
             batch.append((seq.request_id, ids, np.arange(len(ids))))
@@ -178,7 +190,11 @@ class Scheduler:
         outputs = self.target.forward(batch)
         call_s = time.perf_counter() - t_call
         self.num_steps += 1
-        self.num_batched_tokens += sum(len(ids) for _, ids, _ in batch)
+        num_tokens = sum(len(ids) for _, ids, _ in batch)
+        self.num_batched_tokens += num_tokens
+        self.num_batched_sequences += len(batch)
+        if chosen and all(seq.prefilled for seq in seqs):  # a prefill's cost is not a verify's
+            self.draft_policy.observe_call(num_tokens, call_s)
         events = []
         for seq, (logits, feats) in zip(seqs, outputs):
             pending = self._prefilled(seq, logits, feats, call_s) if not seq.prefilled else \
@@ -186,11 +202,27 @@ class Scheduler:
             events.append((seq.request_id, self._emit(seq, pending)))
         return events
 
-    def _choose_drafts(self, seq: _Sequence) -> None:
-        """Drafts to verify this round: lookup's, the drafter's, or none (an AR step)."""
+    def _block_room(self, seq: _Sequence) -> int:
+        """Tokens this round may verify: never past the context limit nor past max_new_tokens."""
         committed = self.target.committed(seq.request_id)
-        # never verify past the context limit nor past max_new_tokens
-        block = min(seq.block_size, seq.max_new_tokens - seq.num_out, self.target.max_length - 1 - committed)
+        return min(seq.block_size, seq.max_new_tokens - seq.num_out, self.target.max_length - 1 - committed)
+
+    def _load_aware_drafts(self, seqs: list[_Sequence]) -> dict:
+        """request id -> drafts the batch policy chose for each load-aware sequence this round."""
+        aware = [s for s in seqs if s.prefilled and s.policy_state is not None]
+        if not aware:
+            return {}
+        fixed = sum(len(s.prompt) if not s.prefilled else self._block_room(s)
+                    for s in seqs if s.policy_state is None or not s.prefilled)
+        caps = [self._block_room(s) - 1 for s in aware]
+        ks = self.draft_policy.choose([s.policy_state for s in aware], caps, fixed)
+        return {s.request_id: k for s, k in zip(aware, ks)}
+
+    def _choose_drafts(self, seq: _Sequence, num_drafts: int | None = None) -> None:
+        """Drafts to verify this round: lookup's, the drafter's, or none (an AR step); at most
+        num_drafts when the batch policy chose them."""
+        committed = self.target.committed(seq.request_id)
+        block = self._block_room(seq) if num_drafts is None else num_drafts + 1
         seq.from_lookup = False
         if seq.drafter is None or block < 2:
             seq.drafts = np.zeros(0, dtype=np.int64)
@@ -223,6 +255,8 @@ class Scheduler:
         else:
             num_accepted, next_token = accept_at_positions(drafts, logits, seq.params, seq.randomness, start + 1)
             seq.stats.record_round(len(drafts), num_accepted, from_lookup=seq.from_lookup)
+            if seq.policy_state is not None and not seq.from_lookup:  # lookup hits say nothing of the drafter
+                self.draft_policy.observe(seq.policy_state, len(drafts), num_accepted)
         self.target.commit(seq.request_id, num_accepted + 1)  # rejected slots are overwritten next call
         if seq.drafter is not None:  # the drafter's context stays complete: a copy, the view dies next call
             seq.ctx_feats = np.concatenate([seq.ctx_feats, feats[: num_accepted + 1]])

@@ -76,7 +76,26 @@ def test_generate_batch_equals_generate_alone(pipe):
             alone_stats = pipe.last_stats
             assert got.stats.num_output_tokens == len(want) == alone_stats.num_output_tokens
             assert got.stats.num_accepted_tokens == alone_stats.num_accepted_tokens
-    with pytest.raises(ValueError, match="auto"):
-        pipe.generate_batch(prompts, block_size="auto")
+    with pytest.raises(ValueError, match="trained block size"):
+        pipe.generate_batch(prompts, block_size=pipe.block_size + 1)
     with pytest.raises(TypeError, match="list of prompts"):
         pipe.generate_batch("one string")
+
+
+def test_load_aware_batch_equals_generate_alone(pipe):
+    """block_size="auto" in a batch: the policy picks each round's drafts (some AR steps, some
+    blocks), and every sequence still equals its greedy / seeded run alone."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 500, size=int(n)).tolist() for n in (4, 23, 11, 30, 7, 15)]
+    for kwargs in ({}, {"temperature": 0.8, "seed": 3}):
+        batch = pipe.generate_batch(prompts, max_new_tokens=12, max_batch_size=4, block_size="auto", **kwargs)
+        for prompt, got in zip(prompts, batch):
+            want = list(pipe.generate_tokens(prompt, 12, block_size=1, **kwargs))
+            assert got.token_ids == [e.token for e in want], kwargs
+            assert got.finish_reason == want[-1].finish_reason
+    policy = pipe.batch_draft_policy()
+    assert policy.call_tokens[0] == 1 and len(policy.call_tokens) > 4
+    assert policy.call_cost_s == sorted(policy.call_cost_s) and policy.call_cost_s[0] > 0
+    assert policy.draft_cost_s[0] == 0 and policy.draft_cost_s[1] > 0
+    target = pipe.batch_target()
+    assert target.num_reserved == 0 and len(target.free) == target.num_blocks  # calibration gave its blocks back

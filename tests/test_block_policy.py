@@ -10,7 +10,7 @@ import pytest
 
 from mock_models import MockDrafter, MockTarget
 from ovdflash import STRICT_F32, DFlashPipeline, block_policy, engine
-from ovdflash.block_policy import BlockPolicy, extend_linearly, measure_costs, nondecreasing
+from ovdflash.block_policy import BatchDraftPolicy, BlockPolicy, extend_linearly, measure_costs, nondecreasing
 from ovdflash.engine import generate
 from ovdflash.sampling import SamplingParams
 from ovdflash.stats import GenerationStats
@@ -447,3 +447,85 @@ def test_auto_without_a_drafter_is_plain_autoregressive(tiny_pair, tmp_path):
     stats = GenerationStats()
     list(pipe.generate_tokens([1, 2, 3], 6, block_size="auto", stats=stats))
     assert stats.num_drafts == 0 and stats.num_ar_steps == 5 and pipe.block_policy is None
+
+
+# -- several sequences per call --------------------------------------------------------------------
+def batch_rate(policy, states, ks, fixed=0):
+    expected = sum(s["estimate"].expected_tokens()[k] for s, k in zip(states, ks))
+    cost = float(policy.call_cost(fixed + sum(k + 1 for k in ks))) + sum(policy.draft_cost_s[k] for k in ks)
+    return expected / cost
+
+
+def batch_policy(call_ms, p, draft_ms=4.0, max_drafts=7):
+    tokens = list(range(1, len(call_ms) + 1))
+    policy = BatchDraftPolicy(tokens, [m / 1e3 for m in call_ms], [0.0] + [draft_ms / 1e3] * max_drafts,
+                              prior_strength=1e6, prior_acceptance=p)
+    return policy
+
+
+def test_batch_policy_is_near_brute_force_and_never_below_all_ar():
+    import itertools
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        # a random nondecreasing cost curve over 1..24 tokens, flat stretches and cliffs
+        call_ms = np.cumsum(rng.choice([0.0, 0.5, 3.0, 12.0], size=24, p=[0.4, 0.3, 0.2, 0.1])) + 20.0
+        policy = batch_policy(call_ms, float(rng.uniform(0.05, 0.95)), draft_ms=float(rng.uniform(0, 10)),
+                              max_drafts=3)
+        n = int(rng.integers(1, 4))
+        states = [policy.new_sequence() for _ in range(n)]
+        for s in states:  # each sequence its own acceptance
+            s["estimate"].prior_acceptance = float(rng.uniform(0.05, 0.95))
+        caps = [int(c) for c in rng.integers(0, 4, size=n)]
+        ks = policy.choose(states, caps, fixed_tokens=0)
+        assert all(0 <= k <= c for k, c in zip(ks, caps))
+        best = max(batch_rate(policy, states, combo)
+                   for combo in itertools.product(*[range(c + 1) for c in caps]))
+        got = batch_rate(policy, states, ks)
+        assert got >= batch_rate(policy, states, [0] * n) * (1 - 1e-9), trial  # never below all-AR
+        assert got >= 0.95 * best, (trial, ks, caps)
+
+
+def test_batch_policy_drafts_less_as_the_batch_grows_on_a_compute_bound_curve():
+    # one AR step 20 ms, +2.5 ms per token past 4 (a compute-bound verify), drafts 4 ms, p = 0.6
+    call_ms = [20.0] * 4 + [20.0 + 2.5 * (t - 4) for t in range(5, 129)]
+    drafts_per_sequence = []
+    for batch in (1, 2, 4, 8, 16):
+        policy = batch_policy(call_ms, 0.6)
+        states = [policy.new_sequence() for _ in range(batch)]
+        ks = policy.choose(states, [7] * batch)
+        drafts_per_sequence.append(sum(ks) / batch)
+    assert drafts_per_sequence[0] >= 2
+    assert drafts_per_sequence == sorted(drafts_per_sequence, reverse=True)
+    assert drafts_per_sequence[-1] < drafts_per_sequence[0]
+    # a flat (memory-bound) curve keeps every sequence of a good drafter drafting
+    policy = batch_policy([20.0] * 128, 0.8)
+    assert policy.choose([policy.new_sequence() for _ in range(8)], [7] * 8) == [7] * 8
+
+
+def test_batch_policy_falls_back_to_ar_for_a_bad_drafter_and_probes():
+    call_ms = [20.0 + 3.0 * t for t in range(64)]
+    policy = batch_policy(call_ms, 0.6)
+    policy.explore_every = 3
+    states = [policy.new_sequence() for _ in range(2)]
+    for s in states:
+        s["estimate"].prior_strength = 2.0
+        for _ in range(30):
+            policy.observe(s, 3, 0)  # every first draft rejected
+    choices = [policy.choose(states, [7, 7]) for _ in range(10)]
+    assert choices[0] == [0, 0]
+    probes = [i for i, ks in enumerate(choices) if ks != [0, 0]]
+    assert probes and all(choices[i] == [policy.probe_drafts] * 2 for i in probes)
+    assert states[0]["explore_wait"] > 3  # a failed probe waits longer next time
+
+
+def test_batch_policy_learns_the_cost_curve():
+    policy = batch_policy([20.0] * 8, 0.5)
+    for _ in range(50):
+        policy.observe_call(4, 0.040)  # the machine runs 2x slower than calibrated
+    assert float(policy.call_cost(4)) == pytest.approx(0.040, rel=0.05)
+    assert float(policy.call_cost(1)) > 0.030  # the drift moved the whole curve
+    policy.observe_call(20, 0.090)  # past the measured sizes: a new point
+    assert policy.call_tokens[-1] == 20
+    assert policy.call_cost_s == sorted(policy.call_cost_s)
+    with pytest.raises(ValueError, match="increasing"):
+        BatchDraftPolicy([2, 1], [0.01, 0.02], [0.0, 0.001])

@@ -412,7 +412,9 @@ def test_serve_without_model_dir_uses_the_embedded_default(tiny_pair, monkeypatc
 
 @pytest.mark.parametrize("args,words", [
     (["--host", "0.0.0.0"], ["--api-key", "--allow-open"]),
-    (["--max-num-seqs", "4"], ["--max-num-seqs", "batched"]),
+    (["--max-num-seqs", "0"], ["--max-num-seqs"]),
+    (["--kv-cache-memory-bytes", "lots"], ["--kv-cache-memory-bytes", "4G"]),
+    (["--max-num-seqs", "4", "--target-runner", "stateful"], ["paged target runner", "stateful"]),
     (["--block-size", "x"], ["--block-size"]),
 ])
 def test_serve_refuses_bad_options_in_one_line(tiny_pair, args, words):

@@ -12,6 +12,13 @@ Contract:
   pipeline has one target KV cache, so a second sequence cannot start before the first ends: a
   request waits for the ones before it (docs/SERVING.md). The text equals `DFlashPipeline.generate`
   for the same prompt and settings, because it is the same code.
+- `BatchedScheduler(pipeline, block_size, draft, max_num_seqs, pool_blocks)` runs up to
+  max_num_seqs requests at once, joining and leaving between rounds, every round ONE target call
+  for all of them (ovdflash.batch_generation over the scheduler and the paged runner's block
+  pool). block_size None or "auto": the load-aware policy chooses each round's drafts for the
+  whole batch; an integer fixes them. A request whose KV cache cannot be booked yet waits, FIFO.
+  Each request's text equals `DFlashPipeline.generate` alone (greedy; sampled with a seed, the
+  same draws).
 - `AsyncEngine(scheduler, max_num_seqs, max_queue, metrics)`: `add` (on the event loop) returns
   a `RequestStream`, an async iterator of that request's outputs, or raises `QueueFullError`
   when max_num_seqs + max_queue requests are already open, `EngineStoppedError` once shutdown
@@ -135,8 +142,7 @@ class SequentialScheduler:
         if not (seq.result.finish_reason or ended):
             return [RequestOutput(seq.request_id, text, len(seq.result.token_ids))]
         self.running = None
-        reason = {"context": "length", "": "stop", None: "stop"}.get(seq.result.finish_reason,
-                                                                  seq.result.finish_reason)
+        reason = _FINISH_REASONS.get(seq.result.finish_reason, seq.result.finish_reason)
         return [self._final(seq, reason, text)]
 
     def _start(self, seq: _Sequence) -> _Sequence:
@@ -150,6 +156,73 @@ class SequentialScheduler:
     def _final(seq: _Sequence, reason: str, text: str = "", error: str | None = None) -> RequestOutput:
         return RequestOutput(seq.request_id, text, len(seq.result.token_ids), True, reason,
                              seq.result.stats, error)
+
+
+# -- many sequences per round ------------------------------------------------------------------
+class BatchedScheduler:
+    """Continuous batching behind the server (see the module contract)."""
+
+    def __init__(self, pipeline, block_size: int | str | None = None, draft: bool | None = None,
+                 max_num_seqs: int = 8, pool_blocks: int | None = None):
+        from ..batch_generation import BatchGeneration
+
+        self.pipeline = pipeline
+        self.block_size = "auto" if block_size is None and pipeline.drafter is not None else block_size
+        self.draft = draft
+        self.batch = BatchGeneration(pipeline, max_num_seqs, pool_blocks)
+        if self.block_size == "auto" and draft is not False:  # measure the cost curve now, not at a request
+            pipeline.batch_draft_policy(max_num_seqs)
+        self.failed: list[RequestOutput] = []  # requests refused at add, answered at the next step
+
+    @property
+    def num_running(self) -> int:
+        return self.batch.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.batch.num_waiting
+
+    def has_unfinished(self) -> bool:
+        return self.batch.has_work() or bool(self.failed)
+
+    def add(self, request_id: str, prompt_ids: list[int], params: RequestParams) -> None:
+        from ..sampling import SamplingParams
+
+        try:
+            self.batch.add(request_id, prompt_ids, params.max_tokens,
+                           SamplingParams(params.temperature, params.top_p, params.top_k, params.seed),
+                           list(params.stop), self.block_size, self.draft)
+        except Exception as exc:  # a request the engine cannot take ends alone, with its reason
+            logger.error("request %s refused: %s: %s", request_id, type(exc).__name__, exc)
+            self.failed.append(RequestOutput(request_id, "", 0, True, "error", GenerationStats(),
+                                             f"{type(exc).__name__}: {exc}"))
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        result = self.batch.abort(request_id)
+        if result is None:
+            return []
+        return [RequestOutput(request_id, "", len(result.token_ids), True, "abort", result.stats)]
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self.failed = self.failed, []
+        try:
+            step = self.batch.step()
+        except Exception as exc:  # the shared call failed: its requests end with the error, the server goes on
+            error = f"{type(exc).__name__}: {exc}"
+            logger.error("a batched round failed: %s", error)
+            for request_id in list(self.batch.requests):
+                result = self.batch.abort(request_id)
+                outputs.append(RequestOutput(request_id, "", len(result.token_ids), True, "error", result.stats, error))
+            return outputs
+        for request_id, text, finished, result in step:
+            reason = _FINISH_REASONS.get(result.finish_reason, result.finish_reason) if finished else None
+            outputs.append(RequestOutput(request_id, text, len(result.token_ids), finished, reason,
+                                         result.stats if finished else None))
+        return outputs
+
+
+# a sequence that filled the context ends as OpenAI's "length"; "" (nothing ran) as "stop"
+_FINISH_REASONS = {"context": "length", "": "stop", None: "stop"}
 
 
 # -- the thread and the event loop ------------------------------------------------------------

@@ -1,0 +1,137 @@
+"""The server with continuous batching (BatchedScheduler) over the tiny pair, served from a thread.
+
+Checked: concurrent clients (chat and completions, streamed or not, greedy and seeded sampling,
+stop strings) get exactly the pipeline's text alone while their rounds share target calls; the
+load-aware "auto" drafts keep the text; a client that leaves mid-stream gives its KV blocks back;
+a small KV pool makes requests wait, never fail; a request the batch cannot take is answered alone.
+"""
+import contextlib
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("fastapi")
+import httpx  # noqa: E402
+import openai  # noqa: E402
+
+from test_serve import free_port, scrape  # noqa: E402
+
+PROMPTS = ["Tell me a story about a cat.", "What is 2 + 2?", "Write a haiku about rain.", "List three colours.",
+           "Why is the sky blue?", "Say hello in French.", "Name a prime number.", "Describe a tree."]
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_pair, tmp_path_factory):
+    from ovdflash import DFlashPipeline
+
+    return DFlashPipeline.from_pretrained(tiny_pair, cache_dir=tmp_path_factory.mktemp("batched_cache"))
+
+
+@contextlib.contextmanager
+def serving(pipe, **options):
+    """(url, engine) of a fresh batched app over `pipe`, served from a thread."""
+    import uvicorn
+
+    from ovdflash.cmd_serve import build_server_app
+    from ovdflash.server.app import DrainingServer
+
+    app = build_server_app(pipe, ["tiny"], **{"max_num_seqs": 4, **options})
+    port = free_port()
+    server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"),
+                            shutdown_timeout=0)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}", app.state.engine
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        assert not thread.is_alive()
+
+
+def client_for(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def ask(url, i, kind):
+    """One request of a mixed workload: (prompt, kwargs, text)."""
+    client, prompt = client_for(url), PROMPTS[i % len(PROMPTS)]
+    kwargs = [{"temperature": 0}, {"temperature": 0.9, "seed": 100 + i}, {"temperature": 0, "stop": [" the"]}][i % 3]
+    max_tokens = 10 + 3 * (i % 5)
+    if kind == "chat":
+        messages = [{"role": "user", "content": prompt}]
+        if i % 2:
+            stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens,
+                                                    stream=True, **kwargs)
+            text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        else:
+            text = client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens,
+                                                  **kwargs).choices[0].message.content
+        return messages, max_tokens, kwargs, text
+    text = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, **kwargs).choices[0].text
+    return prompt, max_tokens, kwargs, text
+
+
+@pytest.mark.parametrize("block_size", [4, None])  # None: load-aware "auto" drafts
+def test_concurrent_requests_share_rounds_and_get_the_texts_alone(pipe, block_size):
+    with serving(pipe, block_size=block_size) as (url, engine):
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda i: ask(url, i, "chat" if i % 4 else "completion"), range(12)))
+        scheduler = engine.scheduler.batch.scheduler
+        assert scheduler.num_batched_sequences > scheduler.num_steps  # some calls carried several sequences
+        metrics = scrape(url)
+        target = pipe.batch_target()
+        assert target.num_reserved == 0 and len(target.free) == target.num_blocks
+    assert sum(metrics.get(("ovdflash:request_success_total", (("finished_reason", r),)), 0)
+               for r in ("stop", "length")) == 12
+    for prompt, max_tokens, kwargs, text in answers:
+        kw = dict(kwargs)
+        want = pipe.generate(prompt, max_new_tokens=max_tokens, block_size=block_size or 4, **kw)
+        assert text == want.text, (prompt, kwargs)
+
+
+def test_a_client_leaving_mid_stream_frees_its_blocks_and_others_finish(pipe):
+    with serving(pipe, block_size=4) as (url, engine):
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"prompt": PROMPTS[0], "max_tokens": 400, "stream": True}) as response:
+            lines = response.iter_lines()
+            for _ in range(3):
+                next(lines)
+        other = client_for(url).completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=0)
+        deadline = time.monotonic() + 30
+        while engine.num_open_requests or engine.scheduler.has_unfinished():
+            assert time.monotonic() < deadline, "the abandoned request kept running"
+            time.sleep(0.01)
+        target = pipe.batch_target()
+        assert target.num_reserved == 0
+        assert scrape(url)[("ovdflash:request_success_total", (("finished_reason", "abort"),))] == 1
+    assert other.choices[0].text == pipe.generate(PROMPTS[1], max_new_tokens=12, block_size=4).text
+
+
+def test_a_small_pool_makes_requests_wait_not_fail(pipe):
+    block_tokens = pipe.batch_target().block_tokens
+    # room for about two 40-token requests at once
+    per_block = sum(int(__import__("numpy").prod(s)) * t.size for _, t, s in pipe.batch_target().cache_inputs)
+    with serving(pipe, block_size=4, kv_cache_memory_bytes=str(per_block * 2 * (-(-60 // block_tokens)))) \
+            as (url, engine):
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda i: client_for(url).completions.create(
+                model="tiny", prompt=PROMPTS[i], max_tokens=30, temperature=0).choices[0].text, range(6)))
+        scheduler = engine.scheduler.batch.scheduler
+        assert scheduler.num_batched_sequences <= 2 * scheduler.num_steps
+    assert answers == [pipe.generate(PROMPTS[i], max_new_tokens=30, block_size=4).text for i in range(6)]
+
+
+def test_a_request_larger_than_the_pool_is_an_error_alone(pipe):
+    per_block = sum(int(__import__("numpy").prod(s)) * t.size for _, t, s in pipe.batch_target().cache_inputs)
+    with serving(pipe, block_size=4, kv_cache_memory_bytes=str(per_block)) as (url, engine):
+        with pytest.raises(openai.InternalServerError, match="pool"):
+            client_for(url).completions.create(model="tiny", prompt=PROMPTS[0] * 5, max_tokens=100)
+        ok = client_for(url).completions.create(model="tiny", prompt="Hi", max_tokens=2, temperature=0)
+        assert ok.choices[0].finish_reason == "length"
