@@ -301,7 +301,8 @@ class BatchDraftPolicy:
     `observe(state, drafted, accepted)`). A sequence held at AR for `explore_every` rounds probes
     with `probe_drafts` drafts (the wait doubles up to `max_explore_every`, reset when drafting
     is chosen), so its estimate does not freeze. `observe_call(tokens, seconds)` learns the cost
-    curve in use, as BlockPolicy.observe_round does (drift of the whole curve, then the point).
+    curve in use, as BlockPolicy.observe_round does (a drift of every cost, draft costs too, then
+    the point).
     Output is unchanged by any choice: only how many tokens are verified."""
 
     def __init__(self, call_tokens: Sequence[int], call_cost_s: Sequence[float], draft_cost_s: Sequence[float],
@@ -378,6 +379,7 @@ class BatchDraftPolicy:
         sample = min(max(seconds, 0.5 * estimate), 2.0 * estimate)
         drift = (sample / estimate) ** self.drift_rate  # the whole machine got slower or faster
         self.call_cost_s = [c * drift for c in self.call_cost_s]
+        self.draft_cost_s = self.draft_cost_s * drift
         estimate *= drift
         if num_tokens > self.call_tokens[-1]:  # a size never run: it becomes a point of the curve
             self.call_tokens.append(int(num_tokens))
