@@ -121,7 +121,8 @@ def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_
 @click.option("--served-model-name", multiple=True,
               help="Model name(s) clients send (repeatable; the first is reported). Default: MODEL_DIR's name.")
 @click.option("--block-size", default=None, metavar="N|auto",
-              help="Tokens per draft block, or 'auto'; default: the model directory's default_block_size.")
+              help="Tokens per draft block, or 'auto' (batched: drafts chosen per round from the batch's cost); "
+                   "default: 'auto' when batching, else the model directory's default_block_size.")
 @click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding on the same target.")
 @click.option("--prompt-lookup/--no-prompt-lookup", default=True, show_default=True,
               help="n-gram lookup drafts beside the drafter's (output unchanged).")
