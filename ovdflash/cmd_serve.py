@@ -151,13 +151,34 @@ def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_
               help="Target numerics: f32 (the default) or bf16 (on CPUs with BF16/AMX).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
+@click.option("--replicas", type=click.IntRange(1), default=None,
+              help="Serve N replicas behind one endpoint on Ray Serve (the ray extra); default: no Ray.")
+@click.option("--num-cpus-per-replica", type=click.FloatRange(0, min_open=True), default=None,
+              help="Ray CPUs per replica, also its OpenVINO thread count (default: this host's CPUs / --replicas).")
+@click.option("--ray-address", default=None,
+              help="With --replicas: an existing Ray cluster ('auto' or HEAD:6379); "
+                   "default: a local instance on loopback.")
 def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_size, no_draft, prompt_lookup,
           max_num_seqs, kv_cache_memory_bytes, max_queue, max_model_len, max_request_bytes, shutdown_timeout, device,
-          cache_dir, config, target_runner, precision, log_level):
+          cache_dir, config, target_runner, precision, log_level, replicas, num_cpus_per_replica, ray_address):
     """Serve MODEL_DIR (default: SmolLM2-135M + shipped drafter) as an OpenAI-compatible API."""
     if not api_key and not _is_loopback(host) and not allow_open:
         raise click.ClickException(f"--host {host} is reachable from other machines and there is no --api-key: "
                                    "give a key, or --allow-open to serve without one")
+    if replicas is not None:  # Ray Serve: every replica loads its own pipeline (server/ray_app.py)
+        from .server.ray_app import serve_on_ray
+
+        try:
+            return serve_on_ray(model_dir, replicas, num_cpus_per_replica, ray_address, host, port, shutdown_timeout,
+                                log_level, lambda line: click.echo(line, err=True),
+                                served_model_names=served_model_name, block_size=_parse_block_size(block_size),
+                                no_draft=no_draft, prompt_lookup=prompt_lookup, device=device, cache_dir=cache_dir,
+                                config=config, target_runner=target_runner, precision=precision,
+                                max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                                max_queue=max_queue, max_model_len=max_model_len, api_key=api_key,
+                                max_request_bytes=max_request_bytes)
+        except (ImportError, ValueError, FileNotFoundError, RuntimeError) as exc:
+            raise click.ClickException(str(exc)) from exc
     try:
         if kv_cache_memory_bytes is not None:
             parse_bytes(kv_cache_memory_bytes)

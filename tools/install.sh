@@ -13,7 +13,7 @@ VENV="${1:-.venv}"
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip
 $PIP install -q torch==2.13.0                      # the local CPU wheel, before anything can pull a CUDA build
-$PIP install -q -e ".[export,bench,test,serve]"
+$PIP install -q -e ".[export,bench,test,serve,ray]"
 $PIP install -q --no-deps optimum-intel==2.2.0      # see above: no torchvision
 $PIP install -q --no-deps dflash==0.1.0             # test-only oracle (z-lab reference model classes)
 $VENV/bin/python -c "import torch, openvino, optimum.intel; print('ovdflash install ok: torch', torch.__version__, 'openvino', openvino.__version__)"
