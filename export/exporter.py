@@ -94,8 +94,11 @@ def validate_pair(target, drafter, block_size: int | None = None) -> PairInfo:
     from .target import SUPPORTED_ARCHS
 
     from .hub import resolve_pair  # a hub id becomes its cached snapshot; a local path stays as it is
+    from .optimum_import import openvino_pair, validate_openvino_pair
 
     target, drafter = resolve_pair(target, drafter)
+    if openvino_pair(target, drafter):  # both exported by optimum-intel already: checked on their IRs
+        return validate_openvino_pair(target, drafter, block_size)
     tcfg = _target_config(target)
     arch = tcfg.get("model_type")
     if arch not in SUPPORTED_ARCHS:
@@ -287,6 +290,50 @@ def check_compile_options(options: dict | None) -> dict:
     return options
 
 
+def pair_manifest(info: PairInfo, block_size: int, default_block_size, eos: list[int], bos: int | None,
+                  target_entry: dict, drafter_entry: dict, draft_vocab_size: int | None,
+                  compile_options: dict) -> dict:
+    """The manifest of a pair (docs/DESIGN.md); `*_entry` add weight_format, source and the like."""
+    from .drafter import SHORT_BLOCKS_KEY
+
+    dcfg = info.drafter_config
+    if not eos:
+        raise ExportError("the target defines no eos token")
+    if dcfg.mask_token_id in eos:
+        raise PairMismatchError(f"mask_token_id {dcfg.mask_token_id} is an eos token of the target")
+    return {
+        "format": FORMAT,
+        "block_size": block_size,
+        "default_block_size": default_block_size,
+        # drafters trained on short blocks too draft k + 1 tokens; others the whole block
+        "draft_pass": "exact" if float(dcfg.extra.get(SHORT_BLOCKS_KEY, 0) or 0) > 0 else "full_block",
+        "target_layer_ids": list(dcfg.target_layer_ids),
+        "mask_token_id": dcfg.mask_token_id,
+        "eos_token_ids": eos,
+        "bos_token_id": bos,
+        "vocab_size": info.vocab_size,
+        "max_position_embeddings": int(info.target_config["max_position_embeddings"]),
+        "target": {"arch": info.arch, "num_layers": info.num_layers, "hidden_size": info.hidden_size,
+                   **target_entry},
+        **_hybrid_keys(info),
+        "drafter": {"num_layers": dcfg.num_hidden_layers, "hidden_size": dcfg.hidden_size, **drafter_entry},
+        "draft_vocab_size": draft_vocab_size,
+        **({"compile_options": compile_options} if compile_options else {}),
+        "versions": _versions(),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def move_into_place(work: Path, out_dir: Path, manifest: dict) -> None:
+    """Record the IR checksums, write the manifest and rename the finished `work` to `out_dir`."""
+    manifest["files"] = checksum_files(work)  # `ovdflash verify` and the default model check them
+    (work / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)  # a previous ovdflash export (checked before the export began)
+    work.chmod(0o755)  # mkdtemp makes it private
+    work.rename(out_dir)
+
+
 def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", drafter_weight_format: str = "fp32",
                 block_size: int | None = None, progress: Callable[[str], None] | None = None,
                 default_block_size: int | str = "auto", compile_options: dict | None = None) -> Path:
@@ -302,10 +349,14 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / MANIFEST_FILE).is_file():
         raise ExportError(f"output directory exists and is not an ovdflash export: {out_dir}")
 
-    step("validating the pair")
     from .hub import resolve_pair
+    from .optimum_import import import_openvino_pair, openvino_pair
 
     target, drafter = resolve_pair(target, drafter)
+    if openvino_pair(target, drafter):  # both exported by optimum-intel already: their IRs are kept
+        return import_openvino_pair(target, drafter, out_dir, target_weight_format, drafter_weight_format,
+                                    block_size, progress, default_block_size, compile_options)
+    step("validating the pair")
     info = validate_pair(target, drafter, block_size)
     if not int(info.target_config.get("max_position_embeddings") or 0):
         raise ExportError("the target's config.json names no max_position_embeddings (its context length); "
@@ -321,7 +372,6 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
     from ovdflash.graphs import drafter_for_runtime, read_layer_locators, target_for_runtime
 
     from .compress import compress_model
-    from .drafter import SHORT_BLOCKS_KEY
     from .drafter_export import export_drafter
     from .target import export_target_model, gguf_to_hf_dir, save_target
 
@@ -361,46 +411,15 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
         if why_not:
             step(f"note: no OpenVINO tokenizer for openvino.genai ({why_not}); ovdflash does not need it")
         eos, bos = _eos_bos(hf_dir, info.target_config, tok_cfg, tok_json)
-        if not eos:
-            raise ExportError("the target defines no eos token")
-        if dcfg.mask_token_id in eos:
-            raise PairMismatchError(f"mask_token_id {dcfg.mask_token_id} is an eos token of the target")
-        manifest = {
-            "format": FORMAT,
-            "block_size": bs,
-            "default_block_size": default_block_size,
-            # drafters trained on short blocks too draft k + 1 tokens; others the whole block
-            "draft_pass": "exact" if float(dcfg.extra.get(SHORT_BLOCKS_KEY, 0) or 0) > 0 else "full_block",
-            "target_layer_ids": list(dcfg.target_layer_ids),
-            "mask_token_id": dcfg.mask_token_id,
-            "eos_token_ids": eos,
-            "bos_token_id": bos,
-            "vocab_size": info.vocab_size,
-            "max_position_embeddings": int(info.target_config["max_position_embeddings"]),
-            "target": {
-                "arch": info.arch, "num_layers": info.num_layers, "hidden_size": info.hidden_size,
-                "weight_format": target_weight_format, "source": str(target.resolve()),
-                "source_sha256": source_sha256(target),
-            },
-            **_hybrid_keys(info),
-            "drafter": {
-                "num_layers": dcfg.num_hidden_layers, "hidden_size": dcfg.hidden_size,
-                "weight_format": drafter_weight_format, "source": str(drafter.resolve()),
-                "source_sha256": source_sha256(drafter),
-            },
-            "draft_vocab_size": None if draft_vocab is None else len(draft_vocab),
-            **({"compile_options": compile_options} if compile_options else {}),
-            "versions": _versions(),
-            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        }
-        manifest["files"] = checksum_files(work)  # `ovdflash verify` and the default model check them
-        (work / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+        manifest = pair_manifest(
+            info, bs, default_block_size, eos, bos,
+            {"weight_format": target_weight_format, "source": str(target.resolve()),
+             "source_sha256": source_sha256(target)},
+            {"weight_format": drafter_weight_format, "source": str(drafter.resolve()),
+             "source_sha256": source_sha256(drafter)},
+            None if draft_vocab is None else len(draft_vocab), compile_options)
         shutil.rmtree(work / "_gguf_hf", ignore_errors=True)
-
-        if out_dir.exists():
-            shutil.rmtree(out_dir)  # a previous ovdflash export (checked above)
-        work.chmod(0o755)  # mkdtemp makes it private
-        work.rename(out_dir)
+        move_into_place(work, out_dir, manifest)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise

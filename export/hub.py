@@ -7,7 +7,7 @@ Contract:
   `huggingface_hub.snapshot_download` into the Hugging Face cache and the snapshot directory (or
   the GGUF file in it) is returned.
 - Only what the export reads is fetched (`ALLOW_PATTERNS`: configs, tokenizer and chat template
-  files, safetensors weights, a drafter's draft vocabulary). Never `*.py`: a checkpoint's own code
+  files, safetensors weights, a drafter's draft vocabulary, an OpenVINO export's IRs). Never `*.py`: a checkpoint's own code
   is never fetched, imported or run (the export reads weights with its own modules and calls
   transformers with `trust_remote_code=False`); never pickled `.bin` weights.
 - The cache is `cache_dir`, else `HF_HUB_CACHE`, else `HF_HOME/hub`, else huggingface_hub's
@@ -32,6 +32,9 @@ ALLOW_PATTERNS = (
     "chat_template.jinja", "chat_template.json",
     "*.safetensors", "*.safetensors.index.json",
     "draft_vocab.json",
+    # an OpenVINO export (optimum-intel's layout): its IR and tokenizer IRs (OpenVINO weights, not pickles)
+    "openvino_model.xml", "openvino_model.bin",
+    "openvino_tokenizer.xml", "openvino_tokenizer.bin", "openvino_detokenizer.xml", "openvino_detokenizer.bin",
 )
 _TRUE = {"1", "on", "yes", "true"}
 
@@ -126,7 +129,7 @@ def _check_snapshot(spec: str, role: str, snapshot: Path, gguf: str | None, cach
     if not (snapshot / "config.json").is_file():
         raise HubError(f"{spec}: the {role} snapshot in {cache} has no config.json (not a model repo, "
                        "or an incomplete download)")
-    if not any(snapshot.glob("*.safetensors")):
+    if not any(snapshot.glob("*.safetensors")) and not (snapshot / "openvino_model.xml").is_file():
         raise HubError(f"{spec}: the {role} snapshot in {cache} has no *.safetensors weights "
                        "(only safetensors are read, never pickled .bin weights)")
     return snapshot

@@ -189,10 +189,11 @@ def test_only_weights_configs_and_tokenizers_are_fetched():
 
     repo = ["config.json", "model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
             "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
-            "dflash.py", "modeling_dflash.py", "utils/helper.py", "pytorch_model.bin", "README.md", "draft_vocab.json"]
+            "dflash.py", "modeling_dflash.py", "utils/helper.py", "pytorch_model.bin", "README.md", "draft_vocab.json",
+            "openvino_model.xml", "openvino_model.bin", "openvino_tokenizer.xml", "training_args.bin"]
     kept = set(filter_repo_objects(repo, allow_patterns=list(ALLOW_PATTERNS)))
     assert kept == set(repo) - {"dflash.py", "modeling_dflash.py", "utils/helper.py", "pytorch_model.bin",
-                                "README.md"}
+                                "README.md", "training_args.bin"}
 
 
 def test_a_local_path_stays_a_local_path(tiny_sources):
