@@ -74,6 +74,7 @@ def test_tokens_and_rounds_add_up(setup):
             assert p["rounds"] * p["tokens_per_round"] == pytest.approx(e["num_tokens"] - e["num_requests"])
             if name == "genai-cb":  # one token a request a step, the first step prefilling them all
                 assert p["rounds"] >= max(n for r in runs for n in r["tokens"]) - 1
+                assert p["rounds"] * p["target_tokens_per_round"] == pytest.approx(e["num_tokens"] - e["num_requests"])
                 continue
             assert p["target_ms_per_round"] > 0 and p["host_ms_per_round"] > -1.0
             if name.startswith("batch-"):
@@ -86,6 +87,7 @@ def test_tokens_and_rounds_add_up(setup):
                     assert p["draft_ms_per_round"] < p["target_ms_per_round"]  # bookkeeping only, no drafter
             if name.startswith(("batch-dflash", "seq-dflash")):
                 assert e["mean_acceptance_length"] >= 1.0 and p["draft_ms_per_round"] > 0
+                assert 0 <= e["num_lookup_accepted_tokens"] <= e["num_accepted_tokens"]
 
 
 def test_lossless_and_ratios(setup):

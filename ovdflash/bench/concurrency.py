@@ -16,7 +16,8 @@ Contract:
   order `rotated` by the repetition, so drift in machine load hits all modes alike.
 - Per set, C and mode: `tokens_per_s` = median over repetitions of (output tokens of all C
   requests / wall time of the whole batch, or of the C calls in a row for seq-dflash); `tpot_ms`
-  and `ttft_ms` = medians over every request; acceptance pooled over runs (GenerationStats.merge);
+  and `ttft_ms` = medians over every request, TTFT counted from the moment all C arrived (a
+  seq-dflash request's includes its wait for the ones before it); acceptance pooled over runs (GenerationStats.merge);
   `profile` = where the time goes, per decode round: `target_ms_per_round` (one target inference),
   `target_tokens_per_round` (tokens sent to it), `draft_ms_per_round` (every sequence's drafter
   calls), `host_ms_per_round` (the rest of the wall time after prefill calls, target and drafts),
@@ -28,7 +29,8 @@ Contract:
 - `ratios` per C: each batch-dflash over the faster of batch-ar and genai-cb ("best batched AR"),
   over seq-dflash at the same B, and batch-ar over genai-cb. `goals`: the three targets
   (>= 1.0x best batched AR at every C, >= 2.0x seq-dflash at C=4, >= 1.5x batch-ar at C <= 2 on
-  `code`) with the measured value (the best block size) and whether it is met.
+  `code`) with the measured value (the best block size) and whether it is met. DFlash entries
+  also count the drafts and accepted tokens that came from n-gram lookup (`num_lookup_*`).
   `agreement`: per C and mode, the fraction of requests whose tokens equal batch-ar's.
 - `run_concurrency_bench(model_dir, ...)` loads the pipeline (and genai's pipeline) and the prompt
   sets as `ovdflash bench` does; `concurrency_command(...)` is the CLI's branch: it writes
@@ -199,9 +201,10 @@ class SequentialRunner:
         with TargetCallMeter(self.single.pipe.target, _single_call) as meter:
             t0 = time.perf_counter()
             for ids in prompts:
+                queued = time.perf_counter() - t0  # every request arrived at t0 and waits its turn
                 out, _, ttft, call = self.single(ids, max_new_tokens)
                 tokens.append(out)
-                ttfts.append(ttft)
+                ttfts.append(queued + ttft)
                 tpots.append(call.tpot_s)
                 stats.merge(call)
             wall = time.perf_counter() - t0
@@ -251,9 +254,10 @@ class GenaiCBRunner:
                             tokens[i].extend(int(t) for t in output.generated_ids)
         wall = time.perf_counter() - t0
         tpots = [(last[i] - first[i]) / (len(t) - 1) if len(t) > 1 else 0.0 for i, t in enumerate(tokens)]
-        # a step is one target inference with its host work (not separable here); step 1 prefills all
-        profile = _profile(steps - 1, wall - first_step_s, 0, 0.0, first_step_s, wall,
-                           sum(len(t) for t in tokens) - len(tokens), 1)
+        # a step is one target inference with its host work (not separable here); step 1 prefills all,
+        # then each step sends one token a running request: as many as it emits
+        decode_tokens = sum(len(t) for t in tokens) - len(tokens)
+        profile = _profile(steps - 1, wall - first_step_s, decode_tokens, 0.0, first_step_s, wall, decode_tokens, 1)
         return tokens, wall, first, tpots, profile, None
 
 
@@ -365,7 +369,9 @@ def summarize_concurrency(runs: list[BatchRun], names: list[str], prompt_sets: l
                         spec.merge(r.spec)
                     entry.update({"mean_acceptance_length": spec.mean_acceptance_length,
                                   "acceptance_rate": spec.acceptance_rate, "num_drafts": spec.num_drafts,
-                                  "num_ar_steps": spec.num_ar_steps})
+                                  "num_ar_steps": spec.num_ar_steps, "num_lookup_drafts": spec.num_lookup_drafts,
+                                  "num_accepted_tokens": spec.num_accepted_tokens,
+                                  "num_lookup_accepted_tokens": spec.num_lookup_accepted_tokens})
                 per_mode[name] = entry
             per_c[str(c)] = {"modes": per_mode, "ratios": _ratios(per_mode)}
         out["prompt_sets"][set_name] = per_c
