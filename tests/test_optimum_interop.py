@@ -53,11 +53,25 @@ def optimum_export_dflash_drafter(src, out):
 
 
 @pytest.fixture(scope="module")
-def optimum_pair(tiny_sources, tmp_path_factory):
-    """(target IR dir, drafter IR dir) exported by optimum-intel from the tiny_pair's checkpoints."""
-    target, drafter = tiny_sources()
-    root = tmp_path_factory.mktemp("optimum")
-    return optimum_export_target(target, root / "target"), optimum_export_dflash_drafter(drafter, root / "drafter")
+def optimum_pairs(tiny_sources, tmp_path_factory):
+    """Factory: arch -> (target IR dir, drafter IR dir) exported by optimum-intel from the checkpoints
+    that `export_tiny_pair(arch=arch)` exports; cached."""
+    cache = {}
+
+    def build(arch="qwen3"):
+        if arch not in cache:
+            target, drafter = tiny_sources(arch)
+            root = tmp_path_factory.mktemp(f"optimum_{arch}")
+            cache[arch] = (optimum_export_target(target, root / "target"),
+                           optimum_export_dflash_drafter(drafter, root / "drafter"))
+        return cache[arch]
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def optimum_pair(optimum_pairs):
+    return optimum_pairs()
 
 
 def _greedy(model_dir, cache_dir, block_size):
@@ -77,10 +91,16 @@ def _greedy(model_dir, cache_dir, block_size):
     return tokens, pipe.last_stats, proposals
 
 
-def test_an_optimum_intel_pair_decodes_as_our_export_of_the_same_checkpoints(optimum_pair, tiny_pair, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3", pytest.param("llama", marks=pytest.mark.slow)])
+def test_an_optimum_intel_pair_decodes_as_our_export_of_the_same_checkpoints(optimum_pairs, export_tiny_pair,
+                                                                             tmp_path, arch):
+    """qwen3: optimum writes the layer locators; llama: the import locates the layers."""
     import openvino as ov
 
-    oi_target, oi_drafter = optimum_pair
+    oi_target, oi_drafter = optimum_pairs(arch)
+    tiny_pair = export_tiny_pair(arch=arch)
+    assert ov.Core().read_model(str(oi_target / "openvino_model.xml")).has_rt_info(
+        "hidden_states_decoder_layers") == (arch == "qwen3")
     drafter_ir = ov.Core().read_model(str(oi_drafter / "openvino_model.xml"))
     assert drafter_ir.get_rt_info(["dflash_mode"]).astype(str) == "True"  # optimum's DFlash layout indeed
     assert not drafter_ir.has_rt_info(["dflash", "block_size"])
