@@ -181,7 +181,8 @@ class DrafterPool:
     def take(self) -> OVDrafter:
         t = self.template
         d = self.idle.pop() if self.idle else OVDrafter(t.compiled, t.block_size, t.mask_token_id,
-                                                        len(t.ones[0]) - 1, exact_passes=t.draft_block == 0)
+                                                        len(t.ones[0]) - 1, exact_passes=t.draft_block == 0,
+                                                        seq_axes=t.seq_axes)
         d.reset()
         return d
 

@@ -1,6 +1,8 @@
 """`ovdflash chat [MODEL_DIR]`: multi-turn chat with streamed DFlash output.
 
 Contract: the reply streams to stdout block by block; one stats line per turn goes to stderr.
+Each turn re-encodes the whole conversation; with the prefix cache (the default) it prefills only
+the tokens the previous turn did not leave in the KV cache (the stats line counts the cached ones).
 Commands: /reset (forget the conversation), /stats (cumulative stats), /quit (or Ctrl-D).
 Ctrl-C while a reply streams stops that reply (the partial reply stays in the history) and
 keeps the session. `--prompt TEXT` answers one message non-interactively and exits: 0 when
@@ -74,6 +76,9 @@ def _sigint_to_main_thread_only():
 @click.option("--prompt-lookup/--no-prompt-lookup", default=True, show_default=True,
               help="Let rounds whose text so far ends with an n-gram seen earlier verify what followed it "
                    "instead of the drafter's block (output unchanged).")
+@click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
+              help="Keep the KV of the conversation so far between turns, so a turn prefills only its new "
+                   "tokens (output unchanged).")
 @click.option("--seed", type=int, default=None, help="Sampling seed (reproducible replies).")
 @click.option("--device", "-d", default="CPU", show_default=True, help="OpenVINO device.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
@@ -87,7 +92,7 @@ def _sigint_to_main_thread_only():
               help="Target numerics: f32 (the default; greedy DFlash equals AR) or bf16 (faster verifies on CPUs "
                    "with BF16/AMX; greedy replies can part from AR at near-ties: docs/BENCHMARKS.md).")
 def chat(model_dir, prompt, system, temperature, top_p, top_k, max_new_tokens, block_size, no_draft, prompt_lookup,
-         seed, device, cache_dir, config, target_runner, precision):
+         prefix_cache, seed, device, cache_dir, config, target_runner, precision):
     """Chat with MODEL_DIR (default: SmolLM2-135M + shipped drafter)."""
     from .pipeline import DFlashPipeline
     from .sampling import SamplingParams
@@ -98,7 +103,8 @@ def chat(model_dir, prompt, system, temperature, top_p, top_k, max_new_tokens, b
         with _sigint_to_main_thread_only():
             pipe = DFlashPipeline.from_pretrained(model_dir, device=device, draft=not no_draft,
                                                   cache_dir=cache_dir, target_runner=target_runner,
-                                                  prompt_lookup=prompt_lookup, precision=precision, **parse_config_options(config))
+                                                  prompt_lookup=prompt_lookup, precision=precision,
+                                                  prefix_cache=prefix_cache, **parse_config_options(config))
             pipe.warm_up(block_size=block_size)  # with "auto" this measures its costs
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from exc

@@ -27,6 +27,12 @@ Contract:
 - With a `lookup` (`lookup.NgramLookup`), a round whose text so far ends with an n-gram seen
   earlier verifies the tokens that followed it instead of the drafter's, and skips the drafter's
   call; the drafter gets the features it missed at its next call. Output is unchanged.
+- With a `prefix_cache` (`prefix_cache.PrefixCache` on the same runners), the runners are not
+  reset: the longest prefix of the prompt they already hold (from the previous call: its prompt and
+  committed output) is kept, and only the rest is prefilled (`stats.num_cached_prompt_tokens`).
+  Output is unchanged: the sampling randomness is keyed by position, and the kept KV and drafter
+  context are those of the same tokens at the same positions. `reuse_prefix=False` prefills the
+  whole prompt but still records it, for a later call.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ from typing import Iterator, Protocol, Sequence
 import numpy as np
 
 from .lookup import NgramLookup
+from .prefix_cache import PrefixCache
 from .sampling import PositionRandomness, SamplingParams, accept_at_positions, sample_token
 from .stats import GenerationStats
 
@@ -119,7 +126,8 @@ def autoregressive_step(target: TargetRunner, feed_drafter: bool, last: int, ctx
 def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Sequence[int],
              max_new_tokens: int, params: SamplingParams, eos_token_ids: Sequence[int] = (),
              block_size: int | None = None, stats: GenerationStats | None = None,
-             policy: BlockSizePolicy | None = None, lookup: NgramLookup | None = None) -> Iterator[TokenEvent]:
+             policy: BlockSizePolicy | None = None, lookup: NgramLookup | None = None,
+             prefix_cache: PrefixCache | None = None, reuse_prefix: bool = True) -> Iterator[TokenEvent]:
     """Speculative (drafter given, block_size >= 2) or autoregressive generation; see module doc."""
     stats = stats if stats is not None else GenerationStats()
     prompt = np.asarray(prompt_ids, dtype=np.int64)
@@ -142,13 +150,22 @@ def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Se
     stats.num_prompt_tokens += len(prompt)
     compactions_before = target.num_compactions
 
-    target.reset()
-    if drafter is not None:
-        drafter.reset()
-    logits, feats = target.forward(prompt, all_logits=False)
-    target.commit(len(prompt))
+    if prefix_cache is None:
+        target.reset()
+        if drafter is not None:
+            drafter.reset()
+        num_cached, kept_feats = 0, None
+    else:
+        if prefix_cache.target is not target or drafter not in (None, prefix_cache.drafter):
+            raise ValueError("prefix_cache belongs to other runners")
+        num_cached, kept_feats = prefix_cache.restore(prompt, drafter is not None, reuse_prefix)
+    stats.num_cached_prompt_tokens += num_cached
+    logits, feats = target.forward(prompt[num_cached:], all_logits=False)
+    target.commit(len(prompt) - num_cached)
     last = sample_token(logits[-1], params, randomness.at(len(prompt)))
-    ctx_feats = np.array(feats)
+    ctx_feats = np.array(feats) if kept_feats is None else np.concatenate([kept_feats, feats])
+    if prefix_cache is not None:
+        prefix_cache.record(prompt[num_cached:], ctx_feats if drafter is not None else None)
     if lookup is not None:
         lookup.reset(np.append(prompt, last))
     stats.prefill_s += time.perf_counter() - t_start
@@ -178,6 +195,9 @@ def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Se
                 block = 1 + policy.choose(block - 1)
             t_round = time.perf_counter()
             num_drafted = block - 1
+            if prefix_cache is not None:
+                prefix_cache.begin()
+            kv_new = [last]  # `last` gets its KV this round, and so do the accepted drafts
             if drafter is None or block < 2:
                 last, ctx_feats = autoregressive_step(target, drafter is not None, last, ctx_feats, params,
                                                      randomness)
@@ -191,6 +211,8 @@ def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Se
                                                               params, randomness, stats, lookup_drafts)
             if policy_decides:
                 policy.observe_round(num_drafted, len(accepted), time.perf_counter() - t_round)
+            if prefix_cache is not None:
+                prefix_cache.record(kv_new + accepted, ctx_feats if drafter is not None else None)
             pending = [(t, True) for t in accepted] + [(last, False)]
             if lookup is not None:
                 lookup.extend(accepted + [last])

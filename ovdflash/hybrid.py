@@ -22,7 +22,8 @@ Contract (docs/DESIGN.md, "Hybrid targets: exact rollback of linear-attention st
   AR step and prefill, and fully accepted blocks), else to a replay of the n kept tokens' loop
   inputs from the committed state, one call of a recurrence-only graph for all layers
   (`replay_graph`). Every forward reads the committed states, so a round with no drafts never
-  sees a stale one. `num_replays` counts replays.
+  sees a stale one. `num_replays` counts replays. `rewinds_exactly` is False: `rewind` only keeps
+  the committed length (prefix reuse across calls extends a cached sequence, never cuts it).
 """
 from __future__ import annotations
 
@@ -109,6 +110,7 @@ class HybridTarget(OVTarget):
     """engine.TargetRunner for a hybrid target IR (module contract)."""
 
     kind = "hybrid"  # one of ovdflash.TARGET_RUNNERS
+    rewinds_exactly = False  # prefix reuse may extend its cached tokens, never cut them
 
     def __init__(self, compiled: ov.CompiledModel, max_length: int, seq_axes: dict[str, int] | None = None,
                  replay: ov.CompiledModel | None = None, **options):
@@ -133,6 +135,12 @@ class HybridTarget(OVTarget):
         super().reset()
         for array in self.states.values():
             array[...] = 0.0
+
+    def rewind(self, num_kept: int) -> None:
+        """Only to the committed length: the linear-attention state of an earlier position is gone."""
+        if num_kept != self.committed:
+            raise ValueError(f"a hybrid target cannot rewind from {self.committed} to {num_kept} tokens: "
+                             "its linear-attention state keeps no earlier position")
 
     def commit(self, num_kept: int) -> None:
         num = self.pending

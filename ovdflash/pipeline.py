@@ -37,6 +37,12 @@ Contract:
   string ends it at the token that completes it, mid-block or not, and is cut from the text;
   streaming holds back text that could be the start of a stop string. `max_new_tokens` is
   exact. Tokens equal to `mask_token_id` are ordinary output.
+- `prefix_cache` (from_pretrained / constructor, default True; per call: None = the pipeline's):
+  a call keeps the KV (and drafter context) of the longest prefix of its prompt that the previous
+  call left in the runners (its prompt and committed output: a chat's earlier turns) and prefills
+  only the rest (ovdflash.prefix_cache; `stats.num_cached_prompt_tokens`). Output is unchanged.
+  On a hybrid target it reuses only a prompt that extends the cached tokens. `prefix_store` is that
+  cache; code that runs `target` or `drafter` itself calls `prefix_store.invalidate()`.
 - Stats: `last_stats` for the latest call, `stats` cumulative (ovdflash.stats).
 """
 from __future__ import annotations
@@ -54,6 +60,7 @@ from .block_policy import BatchDraftPolicy, BlockPolicy, measure_batch_costs, me
 from .lookup import NgramLookup
 from .manifest import load_manifest, parse_target_runner
 from .precision import Numerics, compile_config
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
 from .stats import GenerationStats
 from .tokenizer import IncrementalDetokenizer, Tokenizer
@@ -88,7 +95,7 @@ class DFlashPipeline:
     def __init__(self, target, drafter, tokenizer: Tokenizer | None, eos_token_ids: Sequence[int],
                  block_size: int, mask_token_id: int | None = None, model_dir: Path | None = None,
                  bos_token_id: int | None = None, default_block_size: int | str | None = None,
-                 prompt_lookup: bool = True):
+                 prompt_lookup: bool = True, prefix_cache: bool = True):
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -102,6 +109,8 @@ class DFlashPipeline:
         self.last_stats = GenerationStats()  # latest call
         self.block_policy: BlockPolicy | None = None  # for block_size="auto"; built on first use
         self.prompt_lookup = prompt_lookup  # n-gram lookup drafts beside the drafter's (ovdflash.lookup)
+        self.prefix_cache = prefix_cache  # reuse the KV of the previous call's tokens (ovdflash.prefix_cache)
+        self.prefix_store = PrefixCache(target, drafter)  # what the runners hold between calls
         self.numerics: Numerics | None = None  # the target's precisions, when built by from_pretrained
         self.vocab_size: int | None = None  # token ids must be below it, when known
         self._busy = threading.Lock()  # one generation at a time: the runners hold one sequence's caches
@@ -115,7 +124,7 @@ class DFlashPipeline:
                         cache_dir: str | Path | None = None, use_draft_vocab: bool = True,
                         target_runner: str | None = None, prompt_lookup: bool = True,
                         precision: str | None = None, release_weight_pages: bool = True,
-                        **compile_options) -> "DFlashPipeline":
+                        prefix_cache: bool = True, **compile_options) -> "DFlashPipeline":
         from .runners import compile_runners  # openvino is only needed from here on
 
         if isinstance(model_dir, str) and not model_dir.strip():  # Path("") would quietly mean "."
@@ -132,7 +141,7 @@ class DFlashPipeline:
         tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
         pipe = cls(target, drafter, tokenizer, manifest["eos_token_ids"], manifest["block_size"],
                    manifest["mask_token_id"], model_dir, manifest.get("bos_token_id"),
-                   manifest["default_block_size"], prompt_lookup)
+                   manifest["default_block_size"], prompt_lookup, prefix_cache)
         pipe.numerics = numerics
         pipe.vocab_size = manifest.get("vocab_size")
         if release_weight_pages:
@@ -154,6 +163,7 @@ class DFlashPipeline:
         for runner in (self.target, self.drafter):  # leave them as freshly loaded
             if runner is not None:
                 runner.reset()
+        self.prefix_store.invalidate()
         if self.model_dir is None:
             return 0
         return release_mapped_files([self.model_dir / "target" / "openvino_model.bin",
@@ -165,7 +175,8 @@ class DFlashPipeline:
                         block_size: int | str | None = None, draft: bool | None = None,
                         eos_token_ids: Sequence[int] | None = None,
                         stats: GenerationStats | None = None,
-                        prompt_lookup: bool | None = None) -> Iterator[engine.TokenEvent]:
+                        prompt_lookup: bool | None = None,
+                        prefix_cache: bool | None = None) -> Iterator[engine.TokenEvent]:
         params = SamplingParams(temperature, top_p, top_k, seed)
         prompt_ids = check_token_ids(prompt_ids, self.vocab_size)
         check_positive_int("max_new_tokens", max_new_tokens)
@@ -179,8 +190,12 @@ class DFlashPipeline:
         call_stats = GenerationStats()
         use_lookup = self.prompt_lookup if prompt_lookup is None else prompt_lookup
         lookup = NgramLookup() if use_lookup and use_drafter is not None else None
+        reuse = self.prefix_cache if prefix_cache is None else prefix_cache
+        if self.prefix_store.target is not self.target or self.prefix_store.drafter is not self.drafter:
+            self.prefix_store = PrefixCache(self.target, self.drafter)  # the runners were replaced
         events = engine.generate(self.target, use_drafter, prompt_ids, max_new_tokens, params, eos,
-                                 block_size if use_drafter is not None else 1, call_stats, policy, lookup)
+                                 block_size if use_drafter is not None else 1, call_stats, policy, lookup,
+                                 self.prefix_store, reuse_prefix=bool(reuse))
         return self._recorded(events, call_stats, stats)
 
     def _check_block_size(self, block_size, draft: bool | None):
@@ -221,6 +236,7 @@ class DFlashPipeline:
             with self._exclusive():  # the measurement runs the models
                 step_cost_s, draft_cost_s, switch_cost_s = measure_costs(
                     self.target, self.drafter, prompt, self.block_size - 1, measured_drafts=CALIBRATED_DRAFTS)
+                self.prefix_store.invalidate()  # the measurement ran the runners outside the engine
             self.block_policy = BlockPolicy(step_cost_s, draft_cost_s, switch_cost_s)
         return self.block_policy
 
@@ -300,12 +316,13 @@ class DFlashPipeline:
     def stream(self, prompt_or_messages, max_new_tokens: int = 256, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
                block_size: int | str | None = None, draft: bool | None = None,
-               apply_chat_template: bool = False, prompt_lookup: bool | None = None) -> Iterator[str]:
+               apply_chat_template: bool = False, prompt_lookup: bool | None = None,
+               prefix_cache: bool | None = None) -> Iterator[str]:
         result = GenerationResult("", [], "", GenerationStats())
         yield from self._blocks(prompt_or_messages, stop, result, apply_chat_template,
                                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, seed=seed, block_size=block_size, draft=draft,
-                                prompt_lookup=prompt_lookup)
+                                prompt_lookup=prompt_lookup, prefix_cache=prefix_cache)
 
     def stream_rounds(self, prompt_or_messages, result: GenerationResult, stop=None,
                       apply_chat_template: bool = False, **kwargs) -> Iterator[str]:
@@ -316,12 +333,13 @@ class DFlashPipeline:
     def generate(self, prompt_or_messages, max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
                  block_size: int | str | None = None, draft: bool | None = None,
-                 apply_chat_template: bool = False, prompt_lookup: bool | None = None) -> GenerationResult:
+                 apply_chat_template: bool = False, prompt_lookup: bool | None = None,
+                 prefix_cache: bool | None = None) -> GenerationResult:
         result = GenerationResult("", [], "", GenerationStats())
         for _ in self._blocks(prompt_or_messages, stop, result, apply_chat_template,
                               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, block_size=block_size, draft=draft,
-                              prompt_lookup=prompt_lookup):
+                              prompt_lookup=prompt_lookup, prefix_cache=prefix_cache):
             pass
         return result
 

@@ -19,14 +19,16 @@ Contract:
   garbage (masked slots) exceeds `compact_fraction` of the cache and `compact_min_garbage`
   slots, `commit` compacts: every state is read once, the kept slots gathered into a dense
   tensor and written back. `state_reads`/`state_writes` count these, so tests can prove that
-  ordinary rounds touch no state. Logits are computed only for the requested rows (prefill:
+  ordinary rounds touch no state. `rewind(k)` keeps the first k committed tokens, by the mask too
+  (prefix reuse across calls). Logits are computed only for the requested rows (prefill:
   the last row), and returned arrays are views into the output tensors, valid until the next
   call.
 - `OVDrafter` implements `engine.DrafterRunner`: it feeds the block `[last, mask*(B-1)]` as ids,
   the new context features, positions and an all-ones mask, and reads back only `draft_tokens`.
   A round that verifies k < B-1 drafts still runs the whole block and reads its first k
   (`draft_block` = B, manifest `draft_pass` "full_block"), or runs k + 1 tokens (`draft_block` 0,
-  "exact"); near the end of the positions the pass shrinks to fit.
+  "exact"); near the end of the positions the pass shrinks to fit. `rewind(k)` cuts its context
+  state to the first k positions (prefix reuse across calls).
 """
 from __future__ import annotations
 
@@ -87,6 +89,7 @@ class _LogitRows:
 
 class OVTarget(_LogitRows):
     kind = "stateful"  # one of ovdflash.TARGET_RUNNERS
+    rewinds_exactly = True  # `rewind` to any committed length (prefix reuse may cut the cached tokens)
 
     def __init__(self, compiled: ov.CompiledModel, max_length: int, seq_axes: dict[str, int] | None = None,
                  compact_fraction: float = 0.25, compact_min_garbage: int = 64):
@@ -146,6 +149,21 @@ class OVTarget(_LogitRows):
         if self.garbage >= max(self.compact_min_garbage, self.compact_fraction * self.physical):
             self.compact()
 
+    def rewind(self, num_kept: int) -> None:
+        """Keep only the first num_kept committed tokens: the later ones are masked out (no cache
+        copy), and the cache compacts when the garbage passes the same threshold as in `commit`."""
+        assert self.pending == 0 and 0 <= num_kept <= self.committed
+        if num_kept == self.committed:
+            return
+        if num_kept == 0:
+            self.reset()
+            return
+        kept_slots = np.flatnonzero(self.mask[0, : self.physical])
+        self.mask[0, kept_slots[num_kept]:self.physical] = 0
+        self.committed = num_kept
+        if self.garbage >= max(self.compact_min_garbage, self.compact_fraction * self.physical):
+            self.compact()
+
     def compact(self) -> None:
         """Drop the masked slots from every state: one dense read and write per state."""
         keep = np.flatnonzero(self.mask[0, : self.physical])
@@ -176,6 +194,7 @@ class OVPagedTarget(_LogitRows):
     blocks (one copy of the used blocks each time)."""
 
     kind = "paged"  # one of ovdflash.TARGET_RUNNERS
+    rewinds_exactly = True
 
     def __init__(self, compiled: ov.CompiledModel, max_length: int, initial_blocks: int = 16):
         self.compiled = compiled
@@ -263,8 +282,9 @@ class OVPagedTarget(_LogitRows):
 
 class OVDrafter:
     def __init__(self, compiled: ov.CompiledModel, block_size: int, mask_token_id: int, max_length: int,
-                 exact_passes: bool = False):
+                 exact_passes: bool = False, seq_axes: dict[str, int] | None = None):
         self.compiled = compiled
+        self.seq_axes = seq_axes or {}  # state name -> its sequence axis (2 when not named)
         self.request = compiled.create_infer_request()
         self.block_size = block_size
         self.draft_block = 0 if exact_passes else block_size  # tokens per drafter pass, at least num_drafts + 1
@@ -301,6 +321,24 @@ class OVDrafter:
         })
         self.context_len = start
         return self.request.get_tensor(self.tokens_out).data[0, :num_drafts].copy()
+
+    def rewind(self, num_kept: int) -> None:
+        """Keep the context of the first num_kept positions only. Exact: the state holds each context
+        position's K/V, a function of that position's features alone, so a cut state is the state
+        those positions alone would have built. One read and write of each state."""
+        assert 0 <= num_kept <= self.context_len
+        if num_kept == self.context_len:
+            return
+        if num_kept == 0:
+            self.reset()
+            return
+        for state in self.request.query_state():
+            value = state.state.data
+            axis = self.seq_axes.get(state.name, 2)
+            assert value.shape[axis] == self.context_len, (state.name, value.shape, self.context_len)
+            kept = value[(slice(None),) * axis + (slice(0, num_kept),)]
+            state.state = ov.Tensor(np.ascontiguousarray(kept))  # dense: see OVTarget.compact
+        self.context_len = num_kept
 
 
 def read_ir(core: ov.Core, xml: Path, role: str) -> ov.Model:
@@ -345,6 +383,7 @@ def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", 
     drafter = None
     if with_drafter:
         drafter_model = read_ir(core, model_dir / DRAFTER_XML, "drafter")
+        drafter_seq_axes = kv_seq_axes(drafter_model)
         # graft before the target is edited: the drafter reuses the target's embedding and lm_head nodes
         vocab_path = model_dir / DRAFT_VOCAB
         draft_vocab = graphs.read_draft_vocab(vocab_path) if use_draft_vocab and vocab_path.exists() else None
@@ -368,5 +407,5 @@ def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", 
     if with_drafter:
         drafter = OVDrafter(core.compile_model(drafter_model, device, {**DRAFTER_DEFAULTS, **(config or {})}),
                             int(manifest["block_size"]), int(manifest["mask_token_id"]), max_length,
-                            exact_passes=manifest.get("draft_pass") == "exact")
+                            exact_passes=manifest.get("draft_pass") == "exact", seq_axes=drafter_seq_axes)
     return target, drafter

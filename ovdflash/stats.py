@@ -12,6 +12,8 @@ and `GenerationStats.merge` folds calls into a cumulative total. Counters:
 - acceptance_length_histogram[n]: rounds that emitted n tokens (n = accepted + 1).
 - num_lookup_drafts, num_lookup_draft_tokens, num_lookup_accepted_tokens: the part of the three
   counters above whose drafts came from n-gram lookup (ovdflash.lookup) instead of the drafter.
+- num_cached_prompt_tokens: prompt tokens whose KV the previous call left in the runners and
+  this one reused (ovdflash.prefix_cache); the prefill ran the other ones only.
 - Times in seconds: prefill (part of TTFT), draft, verify, total. TTFT = call start to first
   token; TPOT = (total - TTFT) / (tokens - 1).
 """
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 @dataclass
 class GenerationStats:
     num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # of them, reused from the previous call's KV (not prefilled)
     num_output_tokens: int = 0
     num_drafts: int = 0
     num_draft_tokens: int = 0
@@ -83,7 +86,7 @@ class GenerationStats:
 
     def merge(self, other: "GenerationStats") -> None:
         """Add another call's stats into this cumulative total (TTFT adds up; see mean_ttft_s)."""
-        for name in ("num_prompt_tokens", "num_output_tokens", "num_drafts", "num_draft_tokens",
+        for name in ("num_prompt_tokens", "num_cached_prompt_tokens", "num_output_tokens", "num_drafts", "num_draft_tokens",
                      "num_accepted_tokens", "num_ar_steps", "num_lookup_drafts",
                      "num_lookup_draft_tokens", "num_lookup_accepted_tokens", "num_compactions", "prefill_s",
                      "draft_s", "verify_s", "ttft_s", "total_s", "num_calls"):
@@ -104,6 +107,7 @@ class GenerationStats:
     def as_dict(self) -> dict:
         return {
             "num_prompt_tokens": self.num_prompt_tokens,
+            "num_cached_prompt_tokens": self.num_cached_prompt_tokens,
             "num_output_tokens": self.num_output_tokens,
             "num_drafts": self.num_drafts,
             "num_draft_tokens": self.num_draft_tokens,
@@ -136,6 +140,8 @@ class GenerationStats:
                      f"draft {1e3 * self.draft_s:.0f} ms / verify {1e3 * self.verify_s:.0f} ms")
         if self.num_lookup_drafts:
             line += f", {self.num_lookup_drafts} of {self.num_drafts} rounds drafted by lookup"
+        if self.num_cached_prompt_tokens:
+            line += f", {self.num_cached_prompt_tokens} of {self.num_prompt_tokens} prompt tokens cached"
         return line
 
     def report(self) -> str:

@@ -244,7 +244,9 @@ def spec_decode_usage(stats: GenerationStats) -> dict:
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int, stats: GenerationStats) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens, "spec_decode": spec_decode_usage(stats)}
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.num_cached_prompt_tokens},  # as OpenAI and vLLM report it
+            "spec_decode": spec_decode_usage(stats)}
 
 
 def chat_completion(request_id: str, created: int, model: str, text: str, finish_reason: str,
