@@ -238,29 +238,25 @@ class OpenAIReplica:
             logger.warning("replica %s: the board did not answer: %s", self.tag, exc)
             return None
 
-    def _fresh(self, view: list[dict] | None) -> list[dict]:
-        """The board's reports from the last few intervals, with this replica's own state live."""
-        limit = self.settings.silent_after_s
-        others = [r for r in (view or []) if r["replica"] != self.tag and r["age_s"] <= limit]
-        return [{**self.state(), "age_s": 0.0}, *others]
+    async def _replicas(self) -> tuple[list[dict], bool]:
+        """Every replica's state with its age (this one's live, the others' from the board), and
+        whether the board answered."""
+        view = await self._board_view()
+        own = {**self.state(), "age_s": 0.0}
+        return [own, *(r for r in view or [] if r["replica"] != self.tag)], view is not None
 
     async def health(self):
         from fastapi.responses import JSONResponse
 
-        view = await self._board_view()
+        replicas, board_answered = await self._replicas()
         limit = self.settings.silent_after_s
-        fresh = {r["replica"] for r in self._fresh(view)}
-        listed = {r["replica"]: r for r in (view or [])}
-        listed[self.tag] = {**self.state(), "age_s": 0.0}
-        replicas = []
-        for r in listed.values():
-            status = "silent" if r["replica"] not in fresh else ("ok" if r["healthy"] else "unhealthy")
-            replicas.append({k: v for k, v in r.items() if k not in ("metrics", "healthy")} | {"status": status})
-        num_ok = sum(r["status"] == "ok" for r in replicas)
+        listed = [{k: v for k, v in r.items() if k not in ("metrics", "healthy")}
+                  | {"status": "silent" if r["age_s"] > limit else "ok" if r["healthy"] else "unhealthy"}
+                  for r in replicas]
+        num_ok = sum(r["status"] == "ok" for r in listed)
         body = {"status": "ok" if num_ok >= self.settings.replicas else "degraded",
                 "replicas_expected": self.settings.replicas, "replicas_ok": num_ok, "answered_by": self.tag,
-                "board": "ok" if view is not None else "unavailable", "silent_after_s": limit,
-                "replicas": replicas}
+                "board": "ok" if board_answered else "unavailable", "silent_after_s": limit, "replicas": listed}
         if not self.healthy:
             body["status"] = "unavailable"
             return JSONResponse(body, status_code=503)
@@ -270,7 +266,8 @@ class OpenAIReplica:
         from fastapi.responses import Response
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        texts = {r["replica"]: r["metrics"] for r in self._fresh(await self._board_view())}
+        replicas, _ = await self._replicas()
+        texts = {r["replica"]: r["metrics"] for r in replicas if r["age_s"] <= self.settings.silent_after_s}
         return Response(merge_expositions(texts), media_type=CONTENT_TYPE_LATEST)
 
     def check_health(self) -> None:
@@ -278,9 +275,13 @@ class OpenAIReplica:
         if self.engine is not None and not self.engine.healthy:
             raise RuntimeError(f"replica {self.tag}: the engine has stopped")
 
-    def __del__(self):
+    async def __del__(self):  # Ray Serve awaits this when it stops the replica
         if self._reporter is not None:
             self._reporter.cancel()
+        try:  # a replica stopped on purpose leaves the board instead of going silent
+            await asyncio.wait_for(self.board.leave.remote(self.tag), timeout=2.0)
+        except Exception:
+            pass
 
 
 def _replace_get_route(app, path: str, endpoint) -> None:
