@@ -12,7 +12,8 @@ per round for all of them; 1: one request at a time, any runner), `--kv-cache-me
 block pool limit; default: --max-num-seqs full-context sequences, at most half the machine's
 memory), `--max-queue`, `--max-model-len`, `--max-request-bytes`. With batching, `--block-size`
 defaults to "auto": each round's drafts are chosen for the whole batch from its measured cost
-curve (block_policy.BatchDraftPolicy). Bad options are one-line errors before the model loads
+curve (block_policy.BatchDraftPolicy). `--replicas N` serves the same app on N Ray Serve replicas
+(ovdflash.server.ray_app; the `ray` extra). Bad options are one-line errors before the model loads
 where they can be.
 """
 from __future__ import annotations
