@@ -166,6 +166,12 @@ def _sha256_files(paths) -> str:
     return h.hexdigest()
 
 
+def source_record(source: Path, weight_format, **extra) -> dict:
+    """A manifest's record of one exported model's source: its weight format, path and digest."""
+    return {"weight_format": weight_format, "source": str(source.resolve()), "source_sha256": source_sha256(source),
+            **extra}
+
+
 def source_sha256(source: Path) -> str:
     """sha256 over the source's config and weight files (a single digest for a directory)."""
     if source.is_file():
@@ -413,10 +419,7 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
         eos, bos = _eos_bos(hf_dir, info.target_config, tok_cfg, tok_json)
         manifest = pair_manifest(
             info, bs, default_block_size, eos, bos,
-            {"weight_format": target_weight_format, "source": str(target.resolve()),
-             "source_sha256": source_sha256(target)},
-            {"weight_format": drafter_weight_format, "source": str(drafter.resolve()),
-             "source_sha256": source_sha256(drafter)},
+            source_record(target, target_weight_format), source_record(drafter, drafter_weight_format),
             None if draft_vocab is None else len(draft_vocab), compile_options)
         shutil.rmtree(work / "_gguf_hf", ignore_errors=True)
         move_into_place(work, out_dir, manifest)

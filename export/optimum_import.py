@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from .exporter import (ExportError, PairInfo, PairMismatchError, _eos_bos, _source_eos_ids, check_compile_options,
-                       check_default_block_size, copy_tokenizer, move_into_place, pair_manifest, source_sha256,
+                       check_default_block_size, copy_tokenizer, move_into_place, pair_manifest, source_record,
                        write_ov_tokenizer)
 
 IR_NAME = "openvino_model.xml"
@@ -218,10 +218,8 @@ def import_openvino_pair(target, drafter, out_dir, target_weight_format: str = "
         eos, bos = _eos_bos(target, info.target_config, tok_cfg, json.loads((work / "tokenizer.json").read_text()))
         manifest = pair_manifest(
             info, dcfg.block_size, default_block_size, eos, bos,
-            {"weight_format": t_format, "source": str(target.resolve()), "source_sha256": source_sha256(target),
-             "exported_by": "optimum-intel"},
-            {"weight_format": d_format, "source": str(drafter.resolve()), "source_sha256": source_sha256(drafter),
-             "exported_by": "optimum-intel"},
+            source_record(target, t_format, exported_by="optimum-intel"),
+            source_record(drafter, d_format, exported_by="optimum-intel"),
             None, compile_options)
         move_into_place(work, out_dir, manifest)
     except BaseException:

@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable, NamedTuple, Sequence
 
-from .batch_runners import DrafterPool
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .stats import GenerationStats
@@ -52,12 +51,7 @@ class _Request:
 class BatchGeneration:
     def __init__(self, pipeline, max_batch_size: int = 8, pool_blocks: int | None = None):
         self.pipeline = pipeline
-        drafters = None
-        if pipeline.drafter is not None:
-            if pipeline._drafter_pool is None:
-                pipeline._drafter_pool = DrafterPool(pipeline.drafter)
-            drafters = pipeline._drafter_pool
-        self.scheduler = Scheduler(pipeline.batch_target(pool_blocks), drafters, max_batch_size)
+        self.scheduler = Scheduler(pipeline.batch_target(pool_blocks), pipeline.drafter_pool(), max_batch_size)
         self.requests: dict[Hashable, _Request] = {}
 
     @property

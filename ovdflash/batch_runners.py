@@ -32,10 +32,27 @@ from .runners import OVDrafter, OVPagedTarget, run_request
 DEFAULT_POOL_BYTES = 1 << 30
 
 
+def cache_inputs_of(compiled: ov.CompiledModel) -> list:
+    """(name, element type, per-block shape) of every key_cache.* / value_cache.* input of a paged target."""
+    inputs = [(i.get_any_name(), i.get_element_type(), [d.get_length() for d in i.get_partial_shape()[1:]])
+              for i in compiled.inputs if i.get_any_name().startswith(("key_cache.", "value_cache."))]
+    if not inputs:
+        raise ValueError("this target has no key_cache.* inputs: batching needs the paged target runner")
+    return inputs
+
+
+def block_tokens_of(cache_inputs) -> int:
+    return next(shape[1] for name, _, shape in cache_inputs if name.startswith("value_cache."))
+
+
+def bytes_per_block(cache_inputs) -> int:
+    """Bytes one KV block takes across every key/value cache input."""
+    return sum(int(np.prod(shape)) * element_type.size for _, element_type, shape in cache_inputs)
+
+
 def blocks_for_bytes(cache_inputs, num_bytes: int) -> int:
     """Blocks of every key/value cache input that fit in num_bytes."""
-    per_block = sum(int(np.prod(shape)) * element_type.size for _, element_type, shape in cache_inputs)
-    return max(1, num_bytes // per_block)
+    return max(1, num_bytes // bytes_per_block(cache_inputs))
 
 
 class PoolExhaustedError(ValueError):
@@ -52,11 +69,8 @@ class OVPagedBatchTarget:
         self.max_length = max_length
         self.logits_out = compiled.output("logits")
         self.hidden_out = compiled.output("target_hidden")
-        self.cache_inputs = [(i.get_any_name(), i.get_element_type(), [d.get_length() for d in i.get_partial_shape()[1:]])
-                             for i in compiled.inputs if i.get_any_name().startswith(("key_cache.", "value_cache."))]
-        if not self.cache_inputs:
-            raise ValueError("this target has no key_cache.* inputs: batching needs the paged target runner")
-        self.block_tokens = next(shape[1] for name, _, shape in self.cache_inputs if name.startswith("value_cache."))
+        self.cache_inputs = cache_inputs_of(compiled)
+        self.block_tokens = block_tokens_of(self.cache_inputs)
         blocks_per_sequence = -(-max_length // self.block_tokens)
         if pool_blocks is None:
             pool_blocks = max(blocks_per_sequence, blocks_for_bytes(self.cache_inputs, DEFAULT_POOL_BYTES))
@@ -190,9 +204,14 @@ class DrafterPool:
         self.idle.append(drafter)
 
 
-def batch_target_for(target, pool_blocks: int | None = None) -> OVPagedBatchTarget:
-    """The batch runner beside a pipeline's single-sequence target (its compiled paged model)."""
+def paged_compiled(target) -> ov.CompiledModel:
+    """A pipeline's single-sequence target's compiled paged model; a ValueError for any other runner."""
     if not isinstance(target, OVPagedTarget) or target.logits_out is None:
         raise ValueError(f"batched generation needs the paged target runner, this pipeline has "
                          f"{getattr(target, 'kind', type(target).__name__)!r}")
-    return OVPagedBatchTarget(target.compiled, target.max_length, pool_blocks)
+    return target.compiled
+
+
+def batch_target_for(target, pool_blocks: int | None = None) -> OVPagedBatchTarget:
+    """The batch runner beside a pipeline's single-sequence target (its compiled paged model)."""
+    return OVPagedBatchTarget(paged_compiled(target), target.max_length, pool_blocks)

@@ -69,11 +69,9 @@ def default_kv_cache_bytes(cache_inputs, max_length: int, max_num_seqs: int) -> 
     allocated as sequences grow)."""
     import os
 
-    import numpy as np
+    from .batch_runners import block_tokens_of, bytes_per_block
 
-    per_block = sum(int(np.prod(shape)) * element_type.size for _, element_type, shape in cache_inputs)
-    block_tokens = next(shape[1] for name, _, shape in cache_inputs if name.startswith("value_cache."))
-    full_context = -(-max_length // block_tokens) * per_block
+    full_context = -(-max_length // block_tokens_of(cache_inputs)) * bytes_per_block(cache_inputs)
     return int(min(max_num_seqs * full_context, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2))
 
 
@@ -100,9 +98,9 @@ def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_
     if max_num_seqs == 1:
         scheduler = SequentialScheduler(pipe, block_size, draft)
     else:
-        from .batch_runners import blocks_for_bytes, batch_target_for
+        from .batch_runners import blocks_for_bytes, cache_inputs_of, paged_compiled
 
-        cache_inputs = batch_target_for(pipe.target, 1).cache_inputs  # also: the paged runner, or a clear error
+        cache_inputs = cache_inputs_of(paged_compiled(pipe.target))  # another runner: a clear error
         num_bytes = (parse_bytes(kv_cache_memory_bytes) if kv_cache_memory_bytes is not None
                      else default_kv_cache_bytes(cache_inputs, context, max_num_seqs))
         scheduler = BatchedScheduler(pipe, block_size, draft, max_num_seqs, blocks_for_bytes(cache_inputs, num_bytes))

@@ -352,6 +352,14 @@ class DFlashPipeline:
             self._batch_target = batch_target_for(self.target, pool_blocks)
         return self._batch_target
 
+    def drafter_pool(self):
+        """Drafters for batched sequences, on this pipeline's compiled drafter (made once; None without one)."""
+        if self._drafter_pool is None and self.drafter is not None:
+            from .batch_runners import DrafterPool
+
+            self._drafter_pool = DrafterPool(self.drafter)
+        return self._drafter_pool
+
     def batch_draft_policy(self, max_batch_size: int = 8):
         """The load-aware policy behind generate_batch's block_size="auto" (block_policy.BatchDraftPolicy):
         on first use, measures batched target calls up to max_batch_size full blocks and the
@@ -359,16 +367,13 @@ class DFlashPipeline:
         if self._batch_draft_policy is None:
             if self.drafter is None:
                 raise ValueError("block_size='auto' needs a drafter")
-            from .batch_runners import DrafterPool
-
-            if self._drafter_pool is None:
-                self._drafter_pool = DrafterPool(self.drafter)
-            drafter = self._drafter_pool.take()
+            pool = self.drafter_pool()
+            drafter = pool.take()
             try:
                 tokens, call_cost_s, draft_cost_s = measure_batch_costs(
                     self.batch_target(), drafter, max_batch_size * self.block_size, self.block_size - 1)
             finally:
-                self._drafter_pool.give(drafter)
+                pool.give(drafter)
             self._batch_draft_policy = BatchDraftPolicy(tokens, call_cost_s, draft_cost_s)
         return self._batch_draft_policy
 

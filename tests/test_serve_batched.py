@@ -16,6 +16,7 @@ pytest.importorskip("fastapi")
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
+from ovdflash.batch_runners import bytes_per_block  # noqa: E402
 from test_serve import free_port, scrape  # noqa: E402
 
 PROMPTS = ["Tell me a story about a cat.", "What is 2 + 2?", "Write a haiku about rain.", "List three colours.",
@@ -117,7 +118,7 @@ def test_a_client_leaving_mid_stream_frees_its_blocks_and_others_finish(pipe):
 def test_a_small_pool_makes_requests_wait_not_fail(pipe):
     block_tokens = pipe.batch_target().block_tokens
     # room for about two 40-token requests at once
-    per_block = sum(int(__import__("numpy").prod(s)) * t.size for _, t, s in pipe.batch_target().cache_inputs)
+    per_block = bytes_per_block(pipe.batch_target().cache_inputs)
     with serving(pipe, block_size=4, kv_cache_memory_bytes=str(per_block * 2 * (-(-60 // block_tokens)))) \
             as (url, engine):
         with ThreadPoolExecutor(6) as pool:
@@ -129,7 +130,7 @@ def test_a_small_pool_makes_requests_wait_not_fail(pipe):
 
 
 def test_a_request_larger_than_the_pool_is_an_error_alone(pipe):
-    per_block = sum(int(__import__("numpy").prod(s)) * t.size for _, t, s in pipe.batch_target().cache_inputs)
+    per_block = bytes_per_block(pipe.batch_target().cache_inputs)
     with serving(pipe, block_size=4, kv_cache_memory_bytes=str(per_block)) as (url, engine):
         with pytest.raises(openai.InternalServerError, match="pool"):
             client_for(url).completions.create(model="tiny", prompt=PROMPTS[0] * 5, max_tokens=100)
