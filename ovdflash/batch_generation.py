@@ -7,9 +7,10 @@ Contract:
   take the pipeline's lock: its owner calls it from one thread (generate_batch holds the lock; the
   server's worker thread owns the pipeline).
 - `add(request_id, prompt_ids, max_new_tokens, params, stop=(), block_size=None, draft=None,
-  prompt_lookup=None) -> GenerationResult`: queues a request (block_size/draft/prompt_lookup as
-  `DFlashPipeline.generate`; "auto" lets the scheduler's load-aware policy choose each round's
-  drafts, up to the trained block). The result fills as the request runs. Bad arguments raise
+  prompt_lookup=None, prefix_cache=None) -> GenerationResult`: queues a request (block_size/draft/
+  prompt_lookup/prefix_cache as `DFlashPipeline.generate`; "auto" lets the scheduler's load-aware
+  policy choose each round's drafts, up to the trained block; prefix_cache shares the pool's cached
+  KV blocks that begin the prompt). The result fills as the request runs. Bad arguments raise
   ValueError at once, nothing queued.
 - `step() -> [BatchOutput(request_id, text, finished, result)]`: one round for every running request. text is
   text that can no longer change: while a request runs, text that could be the start of a stop
@@ -67,7 +68,7 @@ class BatchGeneration:
 
     def add(self, request_id: Hashable, prompt_ids: Sequence[int], max_new_tokens: int,
             params: SamplingParams | None = None, stop=(), block_size: int | str | None = None,
-            draft: bool | None = None, prompt_lookup: bool | None = None):
+            draft: bool | None = None, prompt_lookup: bool | None = None, prefix_cache: bool | None = None):
         from .pipeline import GenerationResult, check_positive_int, check_stops, check_token_ids
 
         pipe = self.pipeline
@@ -84,7 +85,8 @@ class BatchGeneration:
         if load_aware and self.scheduler.draft_policy is None:
             self.scheduler.draft_policy = pipe.batch_draft_policy(self.scheduler.max_batch_size)
         stats = self.scheduler.add(request_id, prompt_ids, max_new_tokens, params or SamplingParams(), block,
-                                   use_lookup, tuple(pipe.eos_token_ids), load_aware=load_aware)
+                                   use_lookup, tuple(pipe.eos_token_ids), load_aware=load_aware,
+                                   reuse_prefix=pipe.prefix_cache if prefix_cache is None else bool(prefix_cache))
         result = GenerationResult("", [], "", stats)
         detok = IncrementalDetokenizer(pipe.tokenizer) if pipe.tokenizer is not None else None
         self.requests[request_id] = _Request(result, detok, stops, set(pipe.eos_token_ids))

@@ -1,27 +1,43 @@
 """The paged target for several sequences per inference, and a pool of per-sequence drafters.
 
 Contract:
-- `OVPagedBatchTarget(compiled, max_length, pool_blocks=None)` implements `scheduler.BatchTarget` on
-  the compiled paged target (the one `OVPagedTarget` runs, through its own InferRequest). KV blocks of
+- `OVPagedBatchTarget(compiled, max_length, pool_blocks=None, prefix_caching=True)` implements
+  `scheduler.BatchTarget` on the compiled paged target (the one `OVPagedTarget` runs, through its own InferRequest). KV blocks of
   every sequence come from ONE pool: `pool_blocks` blocks of `block_tokens` tokens (default: the
   blocks of `DEFAULT_POOL_BYTES` of cache, at least one full-context sequence; `blocks_for_bytes`).
   The host tensors start small and grow by doubling up to the limit (the used blocks are copied
   once per growth); freed blocks go on a free list and are reused.
-- `reserve(seq_id, num_tokens)` books the blocks a sequence can ever write; False when the pool has
-  too few free blocks now (the scheduler keeps it waiting); a booking larger than the whole pool is a
-  ValueError. `release(seq_id)` returns them. Blocks are assigned to a sequence as it grows, always
-  within its booking, so no inference ever runs out of cache.
+- `reserve(seq_id, num_tokens, prompt_ids=None)` books the blocks a sequence can ever write; False
+  when the pool has too few free blocks now (the scheduler keeps it waiting); a booking larger than
+  the whole pool is a ValueError. `release(seq_id)` returns them. Blocks are assigned to a sequence
+  as it grows, always within its booking, so no inference ever runs out of cache.
+- Prefix caching (`prefix_caching=True`, the default): every full block of committed tokens is
+  kept under a digest of its tokens and all tokens before it (`block_digest`), with the target
+  features of its positions in `features[block, slot, H]` (grown with the KV tensors, counted in
+  `pool_bytes_per_block`). `reserve` with prompt_ids shares the cached blocks that begin the
+  prompt (its last token excluded, so at least one token is prefilled): `committed(seq_id)` then
+  starts at their tokens and `cached_features(seq_id)` holds their features, for the drafter's
+  context. Shared blocks are only read: a sequence writes from its committed length on, which lies
+  past every full block. A cached block nobody holds counts as free: it is evicted (least recently
+  released first, a chain's tail before its head) when a sequence needs a block and the pool is at
+  its limit. Outputs are those of a full prefill, since a block is found only by its exact tokens.
+  `num_prefix_queries` / `num_prefix_hits` count the prompt tokens looked up and found.
 - `forward(batch)`: batch = [(seq_id, token_ids, rows)], one inference for all: per sequence
   `past_lens` = its committed tokens, its block table, `subsequence_begins` / `block_indices_begins`
   over the flattened tokens, and `logits_indices` only for each sequence's `rows` (indices into its
   own tokens). Returns per sequence (logits[len(rows), V], features[T, H]), views valid until the
-  next call. `commit(seq_id, k)` keeps the first k tokens of its last forward; the next forward
-  overwrites the rest (rollback is free, as in OVPagedTarget).
+  next call. `commit(seq_id, k, token_ids=None, features=None)` keeps the first k tokens of its last
+  forward (their ids and features feed the prefix cache); the next forward overwrites the rest
+  (rollback is free, as in OVPagedTarget).
 - `DrafterPool(drafter)`: `OVDrafter`s on the same compiled drafter, one InferRequest each, handed
   out per sequence (`take()`, reset) and returned (`give(d)`); each keeps its sequence's context in
   its own state, exactly as the single-sequence drafter does.
 """
 from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import numpy as np
 import openvino as ov
@@ -50,20 +66,51 @@ def bytes_per_block(cache_inputs) -> int:
     return sum(int(np.prod(shape)) * element_type.size for _, element_type, shape in cache_inputs)
 
 
-def blocks_for_bytes(cache_inputs, num_bytes: int) -> int:
-    """Blocks of every key/value cache input that fit in num_bytes."""
-    return max(1, num_bytes // bytes_per_block(cache_inputs))
+def feature_width_of(compiled: ov.CompiledModel) -> int:
+    """Width of a target's `target_hidden` output (the drafter's features of one position)."""
+    return compiled.output("target_hidden").get_partial_shape()[-1].get_length()
+
+
+def pool_bytes_per_block(compiled: ov.CompiledModel, prefix_caching: bool = True) -> int:
+    """Bytes one pool block takes: its KV, and with prefix caching the target features of its tokens."""
+    cache_inputs = cache_inputs_of(compiled)
+    features = block_tokens_of(cache_inputs) * feature_width_of(compiled) * 4 if prefix_caching else 0
+    return bytes_per_block(cache_inputs) + features
+
+
+def blocks_for_bytes(compiled: ov.CompiledModel, num_bytes: int, prefix_caching: bool = True) -> int:
+    """Pool blocks that fit in num_bytes."""
+    return max(1, num_bytes // pool_bytes_per_block(compiled, prefix_caching))
 
 
 class PoolExhaustedError(ValueError):
     pass
 
 
+def block_digest(previous: bytes, token_ids: np.ndarray) -> bytes:
+    """The prefix cache's key of a full block: its tokens and, through `previous`, every token before it."""
+    return hashlib.blake2b(previous + np.ascontiguousarray(token_ids, dtype=np.int64).tobytes(),
+                           digest_size=16).digest()
+
+
+@dataclass
+class _SequenceBlocks:
+    """One sequence's view of the pool."""
+    committed: int = 0       # tokens with valid KV
+    pending: int = 0         # tokens of the last forward not committed yet
+    budget: int = 0          # blocks it may still take from the pool (its booking, less what it took)
+    blocks: list = field(default_factory=list)  # its block table: shared cached blocks first
+    num_hashed: int = 0      # leading blocks whose digest is known (matched or registered)
+    digest: bytes = b""      # chain digest of those blocks
+    tail_ids: list = field(default_factory=list)  # committed token ids after the hashed blocks
+    num_matched: int = 0     # leading blocks shared from the prefix cache at reserve
+
+
 class OVPagedBatchTarget:
     kind = "paged-batch"
 
     def __init__(self, compiled: ov.CompiledModel, max_length: int, pool_blocks: int | None = None,
-                 initial_blocks: int = 16):
+                 initial_blocks: int = 16, prefix_caching: bool = True):
         self.compiled = compiled
         self.request = compiled.create_infer_request()
         self.max_length = max_length
@@ -71,19 +118,30 @@ class OVPagedBatchTarget:
         self.hidden_out = compiled.output("target_hidden")
         self.cache_inputs = cache_inputs_of(compiled)
         self.block_tokens = block_tokens_of(self.cache_inputs)
+        self.caches_prefixes = bool(prefix_caching)
         blocks_per_sequence = -(-max_length // self.block_tokens)
         if pool_blocks is None:
-            pool_blocks = max(blocks_per_sequence, blocks_for_bytes(self.cache_inputs, DEFAULT_POOL_BYTES))
+            pool_blocks = max(blocks_per_sequence, blocks_for_bytes(compiled, DEFAULT_POOL_BYTES, self.caches_prefixes))
         if isinstance(pool_blocks, bool) or not isinstance(pool_blocks, (int, np.integer)) or pool_blocks < 1:
             raise ValueError(f"pool_blocks must be an integer >= 1, got {pool_blocks!r}")
         self.pool_blocks = int(pool_blocks)
         self.positions = np.arange(max_length + 1, dtype=np.int64)
         self.caches: dict[str, ov.Tensor] = {}
         self.num_blocks = 0        # allocated in the host tensors
-        self.free: list[int] = []  # allocated and unused block ids
-        self.num_reserved = 0      # blocks booked by all sequences
+        self.free: list[int] = []  # allocated blocks holding nothing
+        self.refs: dict[int, int] = {}  # block id -> sequences whose table holds it (absent: 0)
+        self.num_referenced = 0    # blocks some sequence holds
+        self.num_budgeted = 0      # blocks booked by sequences and not taken yet
         self.num_cache_grows = 0
-        self.seqs: dict = {}       # seq_id -> [committed, pending, reserved blocks, block ids]
+        self.num_evicted = 0
+        self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hits = 0     # of which found there
+        self.cached: dict[bytes, int] = {}       # digest -> block id, full blocks of committed tokens
+        self.digest_of: dict[int, bytes] = {}    # block id -> digest, cached blocks only
+        self.evictable: OrderedDict[bytes, None] = OrderedDict()  # cached, held by nobody; oldest first
+        width = feature_width_of(compiled) if self.caches_prefixes else 0
+        self.features = np.zeros((0, self.block_tokens, width), dtype=np.float32)  # [block, slot, H]
+        self.seqs: dict = {}       # seq_id -> _SequenceBlocks
         self._grow(min(initial_blocks, self.pool_blocks))
 
     # -- pool ------------------------------------------------------------------------------------
@@ -91,45 +149,126 @@ class OVPagedBatchTarget:
         return -(-num_tokens // self.block_tokens)
 
     @property
+    def num_reserved(self) -> int:
+        """Blocks the running sequences hold or may still take."""
+        return self.num_referenced + self.num_budgeted
+
+    @property
     def free_blocks(self) -> int:
-        """Blocks not booked by any sequence."""
+        """Blocks a new booking may take (cached blocks nobody holds count: they are evicted on demand)."""
         return self.pool_blocks - self.num_reserved
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
 
     def _grow(self, num_blocks: int) -> None:
         allocated = self.num_blocks
         OVPagedTarget._grow(self, num_blocks)  # the same host tensors and fields as the single-sequence runner
+        if self.caches_prefixes:
+            grown = np.zeros((num_blocks, *self.features.shape[1:]), dtype=np.float32)
+            grown[:allocated] = self.features[:allocated]
+            self.features = grown
         self.free.extend(range(allocated, num_blocks))
 
-    def reserve(self, seq_id, num_tokens: int) -> bool:
+    def _match(self, prompt_ids) -> list[tuple[bytes, int]]:
+        """(digest, block id) of the cached full blocks that begin prompt_ids, its last token excluded."""
+        matched, digest = [], b""
+        ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        for b in range((len(ids) - 1) // self.block_tokens):
+            digest = block_digest(digest, ids[b * self.block_tokens:(b + 1) * self.block_tokens])
+            block = self.cached.get(digest)
+            if block is None:
+                break
+            matched.append((digest, block))
+        return matched
+
+    def _hold(self, block: int) -> None:
+        count = self.refs.get(block, 0)
+        if count == 0:
+            self.num_referenced += 1
+            digest = self.digest_of.get(block)
+            if digest is not None:
+                self.evictable.pop(digest, None)
+        self.refs[block] = count + 1
+
+    def _drop(self, block: int) -> None:
+        count = self.refs.pop(block) - 1
+        if count:
+            self.refs[block] = count
+            return
+        self.num_referenced -= 1
+        digest = self.digest_of.get(block)
+        if digest is None:
+            self.free.append(block)
+        else:
+            self.evictable[digest] = None
+
+    def reserve(self, seq_id, num_tokens: int, prompt_ids=None) -> bool:
+        """Book the blocks of num_tokens tokens; with prompt_ids (and prefix caching), the cached full
+        blocks that begin the prompt are shared instead, and `committed(seq_id)` starts at their tokens."""
         need = self.blocks_for(min(num_tokens, self.max_length))
         if need > self.pool_blocks:
             raise PoolExhaustedError(f"a sequence of {num_tokens} tokens needs {need} KV blocks; the pool holds "
                                      f"{self.pool_blocks} (raise pool_blocks)")
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} is already in the batch")
-        if need > self.free_blocks:
+        looked_up = self.caches_prefixes and prompt_ids is not None
+        matched = self._match(prompt_ids) if looked_up else []
+        idle_matched = sum(1 for _, block in matched if self.refs.get(block, 0) == 0)
+        if need - len(matched) + idle_matched > self.free_blocks:
             return False
-        self.seqs[seq_id] = [0, 0, need, []]
-        self.num_reserved += need
+        seq = _SequenceBlocks(committed=len(matched) * self.block_tokens, budget=need - len(matched),
+                              num_hashed=len(matched), digest=matched[-1][0] if matched else b"",
+                              num_matched=len(matched))
+        for _, block in matched:
+            self._hold(block)
+            seq.blocks.append(block)
+        if looked_up:
+            self.num_prefix_queries += len(prompt_ids)
+            self.num_prefix_hits += seq.committed
+        self.num_budgeted += seq.budget
+        self.seqs[seq_id] = seq
         return True
 
+    def cached_features(self, seq_id) -> np.ndarray | None:
+        """Target features of the cached prefix `reserve` shared with this sequence (None: nothing shared)."""
+        seq = self.seqs[seq_id]
+        if not seq.num_matched:
+            return None
+        return self.features[seq.blocks[:seq.num_matched]].reshape(-1, self.features.shape[-1])
+
     def release(self, seq_id) -> None:
-        _, _, reserved, blocks = self.seqs.pop(seq_id)
-        self.free.extend(blocks)
-        self.num_reserved -= reserved
+        seq = self.seqs.pop(seq_id)
+        for block in reversed(seq.blocks):  # a chain's tail is evicted before its head
+            self._drop(block)
+        self.num_budgeted -= seq.budget
 
     def committed(self, seq_id) -> int:
-        return self.seqs[seq_id][0]
+        return self.seqs[seq_id].committed
 
-    def _blocks_up_to(self, seq, end: int) -> list[int]:
+    def _take_block(self) -> int:
+        if not self.free and self.num_blocks < self.pool_blocks:
+            self._grow(min(max(2 * self.num_blocks, self.num_blocks + 1), self.pool_blocks))
+        if self.free:
+            return self.free.pop()
+        digest, _ = self.evictable.popitem(last=False)  # bookings guarantee one: see free_blocks
+        block = self.cached.pop(digest)
+        del self.digest_of[block]
+        self.num_evicted += 1
+        return block
+
+    def _blocks_up_to(self, seq: _SequenceBlocks, end: int) -> list[int]:
         need = self.blocks_for(end)
-        if need > seq[2]:
-            raise PoolExhaustedError(f"a sequence wrote past its booking ({end} tokens, {seq[2]} blocks)")
-        while len(seq[3]) < need:
-            if not self.free:
-                self._grow(min(max(2 * self.num_blocks, self.num_blocks + 1), self.pool_blocks))
-            seq[3].append(self.free.pop())
-        return seq[3]
+        while len(seq.blocks) < need:
+            if seq.budget == 0:
+                raise PoolExhaustedError(f"a sequence wrote past its booking ({end} tokens)")
+            block = self._take_block()
+            seq.budget -= 1
+            self.num_budgeted -= 1
+            self._hold(block)
+            seq.blocks.append(block)
+        return seq.blocks
 
     # -- inference -------------------------------------------------------------------------------
     def forward(self, batch) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -141,9 +280,9 @@ class OVPagedBatchTarget:
         max_context = 0
         for i, (seq_id, token_ids, rows) in enumerate(batch):
             seq = self.seqs[seq_id]
-            assert seq[1] == 0, "commit() the previous forward of this sequence first"
+            assert seq.pending == 0, "commit() the previous forward of this sequence first"
             num = len(token_ids)
-            past, end = seq[0], seq[0] + num
+            past, end = seq.committed, seq.committed + num
             if end > self.max_length:
                 raise ValueError(f"sequence {seq_id!r} would pass the context limit ({end} > {self.max_length})")
             table = self._blocks_up_to(seq, end)[: self.blocks_for(end)]
@@ -155,7 +294,7 @@ class OVPagedBatchTarget:
             positions.append(self.positions[past:end])
             tables.extend(table)
             max_context = max(max_context, end)
-            seq[1] = num
+            seq.pending = num
         run_request(self.request, {
             "input_ids": np.concatenate(ids),
             "position_ids": np.concatenate(positions),
@@ -174,11 +313,32 @@ class OVPagedBatchTarget:
             row += len(rows)
         return out
 
-    def commit(self, seq_id, num_kept: int) -> None:
+    def commit(self, seq_id, num_kept: int, token_ids=None, features=None) -> None:
+        """Keep the first num_kept tokens of the last forward. With their token_ids and target
+        features (prefix caching), every block they fill joins the prefix cache."""
         seq = self.seqs[seq_id]
-        assert 0 < num_kept <= seq[1]
-        seq[0] += num_kept
-        seq[1] = 0
+        assert 0 < num_kept <= seq.pending
+        start = seq.committed
+        seq.committed += num_kept
+        seq.pending = 0
+        if self.caches_prefixes and token_ids is not None:
+            assert len(token_ids) == num_kept and len(features) >= num_kept
+            positions = np.arange(start, seq.committed)  # the features stay with their block
+            blocks = np.asarray(seq.blocks)[positions // self.block_tokens]
+            self.features[blocks, positions % self.block_tokens] = features[:num_kept]
+            seq.tail_ids.extend(int(t) for t in token_ids)
+            self._register_full_blocks(seq)
+
+    def _register_full_blocks(self, seq: _SequenceBlocks) -> None:
+        b = self.block_tokens
+        while len(seq.tail_ids) >= b:
+            seq.digest = block_digest(seq.digest, np.asarray(seq.tail_ids[:b]))
+            del seq.tail_ids[:b]
+            block = seq.blocks[seq.num_hashed]
+            seq.num_hashed += 1
+            if seq.digest not in self.cached:  # else another sequence computed the same block: keep that one
+                self.cached[seq.digest] = block
+                self.digest_of[block] = seq.digest
 
 
 class DrafterPool:
@@ -212,6 +372,6 @@ def paged_compiled(target) -> ov.CompiledModel:
     return target.compiled
 
 
-def batch_target_for(target, pool_blocks: int | None = None) -> OVPagedBatchTarget:
+def batch_target_for(target, pool_blocks: int | None = None, prefix_caching: bool = True) -> OVPagedBatchTarget:
     """The batch runner beside a pipeline's single-sequence target (its compiled paged model)."""
-    return OVPagedBatchTarget(paged_compiled(target), target.max_length, pool_blocks)
+    return OVPagedBatchTarget(paged_compiled(target), target.max_length, pool_blocks, prefix_caching=prefix_caching)

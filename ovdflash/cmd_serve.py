@@ -9,8 +9,10 @@ as vLLM's: `--api-key` (or OVDFLASH_API_KEY; without it the server is open, so a
 (repeatable; default: the directory's name), `--max-num-seqs` (sequences generating at once,
 default 8 with the paged target runner, 1 with the others: continuous batching, one target call
 per round for all of them; 1: one request at a time, any runner), `--kv-cache-memory-bytes` (the batch's KV
-block pool limit; default: --max-num-seqs full-context sequences, at most half the machine's
-memory), `--max-queue`, `--max-model-len`, `--max-request-bytes`. With batching, `--block-size`
+block pool limit, cached prefix features included; default: --max-num-seqs full-context sequences,
+at most half the machine's memory; a smaller pool lowers the context limit to what it holds),
+`--enable-prefix-caching/--no-enable-prefix-caching` (default on: KV blocks of prompt prefixes are
+reused across requests), `--max-queue`, `--max-model-len`, `--max-request-bytes`. With batching, `--block-size`
 defaults to "auto": each round's drafts are chosen for the whole batch from its measured cost
 curve (block_policy.BatchDraftPolicy). `--replicas N` serves the same app on N Ray Serve replicas
 (ovdflash.server.ray_app; the `ray` extra). Bad options are one-line errors before the model loads
@@ -42,14 +44,15 @@ def _is_loopback(host: str) -> bool:
 
 
 def load_pipeline(model_dir, device, no_draft, cache_dir, target_runner, prompt_lookup, precision, config,
-                  block_size):
+                  block_size, prefix_caching=True):
     """The pipeline `serve` runs, loaded and warmed up as `ovdflash chat` does."""
     from .pipeline import DFlashPipeline
 
     with _sigint_to_main_thread_only():
         pipe = DFlashPipeline.from_pretrained(model_dir, device=device, draft=not no_draft, cache_dir=cache_dir,
                                               target_runner=target_runner, prompt_lookup=prompt_lookup,
-                                              precision=precision, **parse_config_options(config))
+                                              precision=precision, prefix_cache=prefix_caching,
+                                              **parse_config_options(config))
         pipe.warm_up(block_size=block_size)
     return pipe
 
@@ -64,14 +67,15 @@ def parse_bytes(text) -> int:
     return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
 
 
-def default_kv_cache_bytes(cache_inputs, max_length: int, max_num_seqs: int) -> int:
+def default_kv_cache_bytes(compiled, max_length: int, max_num_seqs: int, prefix_caching: bool = True) -> int:
     """max_num_seqs full-context sequences, at most half the machine's memory (a limit: blocks are
     allocated as sequences grow)."""
     import os
 
-    from .batch_runners import block_tokens_of, bytes_per_block
+    from .batch_runners import block_tokens_of, cache_inputs_of, pool_bytes_per_block
 
-    full_context = -(-max_length // block_tokens_of(cache_inputs)) * bytes_per_block(cache_inputs)
+    blocks = -(-max_length // block_tokens_of(cache_inputs_of(compiled)))
+    full_context = blocks * pool_bytes_per_block(compiled, prefix_caching)
     return int(min(max_num_seqs * full_context, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2))
 
 
@@ -79,7 +83,9 @@ def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_
                      max_model_len=None, api_key=None, max_request_bytes=None, kv_cache_memory_bytes=None):
     """The FastAPI app over `pipe`: scheduler, engine, metrics and endpoints wired together.
     max_num_seqs 1: one request at a time (SequentialScheduler); more: continuous batching
-    (BatchedScheduler over the paged runner's block pool)."""
+    (BatchedScheduler over the paged runner's block pool, with prefix caching as `pipe.prefix_cache`).
+    A pool smaller than one full-context sequence lowers the context limit to what it holds (an
+    explicit max_model_len beyond it is an error), so every request the server takes fits the pool."""
     from .server.app import DEFAULT_MAX_REQUEST_BYTES, build_app
     from .server.async_engine import AsyncEngine, BatchedScheduler, SequentialScheduler
     from .server.metrics import ServerMetrics
@@ -98,14 +104,22 @@ def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_
     if max_num_seqs == 1:
         scheduler = SequentialScheduler(pipe, block_size, draft)
     else:
-        from .batch_runners import blocks_for_bytes, cache_inputs_of, paged_compiled
+        from .batch_runners import block_tokens_of, blocks_for_bytes, cache_inputs_of, paged_compiled
 
-        cache_inputs = cache_inputs_of(paged_compiled(pipe.target))  # another runner: a clear error
+        compiled = paged_compiled(pipe.target)  # another runner: a clear error
+        caching = bool(pipe.prefix_cache)
         num_bytes = (parse_bytes(kv_cache_memory_bytes) if kv_cache_memory_bytes is not None
-                     else default_kv_cache_bytes(cache_inputs, context, max_num_seqs))
-        scheduler = BatchedScheduler(pipe, block_size, draft, max_num_seqs, blocks_for_bytes(cache_inputs, num_bytes))
-    engine = AsyncEngine(scheduler, max_num_seqs, max_queue, ServerMetrics(served_model_names[0]),
-                         max_model_len or context)
+                     else default_kv_cache_bytes(compiled, context, max_num_seqs, caching))
+        pool_blocks = blocks_for_bytes(compiled, num_bytes, caching)
+        pool_tokens = pool_blocks * block_tokens_of(cache_inputs_of(compiled))
+        if max_model_len is not None and max_model_len > pool_tokens:
+            raise ValueError(f"--kv-cache-memory-bytes {kv_cache_memory_bytes} holds {pool_tokens} tokens of KV cache, "
+                             f"fewer than --max-model-len {max_model_len}: raise the one or lower the other")
+        if pool_tokens < context:
+            max_model_len = max_model_len or pool_tokens
+        scheduler = BatchedScheduler(pipe, block_size, draft, max_num_seqs, pool_blocks)
+    metrics = ServerMetrics(served_model_names[0], bool(pipe.prefix_cache))
+    engine = AsyncEngine(scheduler, max_num_seqs, max_queue, metrics, max_model_len or context)
     return build_app(engine, served_model_names, api_key,
                      max_request_bytes if max_request_bytes is not None else DEFAULT_MAX_REQUEST_BYTES)
 
@@ -131,6 +145,9 @@ def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_
 @click.option("--kv-cache-memory-bytes", default=None, metavar="SIZE",
               help="KV block pool limit for batching, e.g. 4G (default: --max-num-seqs full-context sequences, "
                    "at most half the memory).")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
+              help="Reuse the KV blocks of prompt prefixes computed before (a shared system prompt, earlier chat "
+                   "turns); output unchanged.")
 @click.option("--max-queue", type=int, default=128, show_default=True,
               help="Requests that may wait for the engine; beyond it: 503 with Retry-After.")
 @click.option("--max-model-len", type=int, default=None,
@@ -158,8 +175,9 @@ def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_
               help="With --replicas: an existing Ray cluster ('auto' or HEAD:6379); "
                    "default: a local instance on loopback.")
 def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_size, no_draft, prompt_lookup,
-          max_num_seqs, kv_cache_memory_bytes, max_queue, max_model_len, max_request_bytes, shutdown_timeout, device,
-          cache_dir, config, target_runner, precision, log_level, replicas, num_cpus_per_replica, ray_address):
+          max_num_seqs, kv_cache_memory_bytes, enable_prefix_caching, max_queue, max_model_len, max_request_bytes,
+          shutdown_timeout, device, cache_dir, config, target_runner, precision, log_level, replicas,
+          num_cpus_per_replica, ray_address):
     """Serve MODEL_DIR (default: SmolLM2-135M + shipped drafter) as an OpenAI-compatible API."""
     if not api_key and not _is_loopback(host) and not allow_open:
         raise click.ClickException(f"--host {host} is reachable from other machines and there is no --api-key: "
@@ -174,7 +192,7 @@ def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_s
                                 no_draft=no_draft, prompt_lookup=prompt_lookup, device=device, cache_dir=cache_dir,
                                 config=config, target_runner=target_runner, precision=precision,
                                 max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                                max_queue=max_queue, max_model_len=max_model_len, api_key=api_key,
+                                enable_prefix_caching=enable_prefix_caching, max_queue=max_queue, max_model_len=max_model_len, api_key=api_key,
                                 max_request_bytes=max_request_bytes)
         except (ImportError, ValueError, FileNotFoundError, RuntimeError) as exc:
             raise click.ClickException(str(exc)) from exc
@@ -184,7 +202,7 @@ def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_s
         block_size = _parse_block_size(block_size)
         from .server.app import run_server  # fastapi/uvicorn missing: a clear error before the slow load
         pipe = load_pipeline(model_dir, device, no_draft, cache_dir, target_runner, prompt_lookup, precision,
-                             config, block_size)
+                             config, block_size, enable_prefix_caching)
         names = list(served_model_name) or [Path(pipe.model_dir).name]
         app = build_server_app(pipe, names, block_size, False if no_draft else None, max_num_seqs, max_queue,
                                max_model_len, api_key, max_request_bytes, kv_cache_memory_bytes)
@@ -195,7 +213,11 @@ def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_s
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     batched = app.state.engine.max_num_seqs > 1
     batching = f"up to {app.state.engine.max_num_seqs} sequences per round" if batched else "one request at a time"
+    limit = app.state.engine.max_model_len
+    pool_bound = max_model_len is None and limit < pipe.target.max_length
     click.echo(f"serving {names[0]} ({pipe.model_dir}) on http://{host}:{port}/v1, {batching}, block size "
-               f"{block_size or ('auto' if batched else pipe.default_block_size)}, "
+               f"{block_size or ('auto' if batched else pipe.default_block_size)}, context {limit} tokens"
+               f"{' (all the KV cache pool holds)' if pool_bound else ''}, "
+               f"prefix caching {'on' if enable_prefix_caching else 'off'}, "
                f"{'API key required' if api_key else 'no API key'}", err=True)
     run_server(app, host, port, shutdown_timeout, log_level)

@@ -345,11 +345,14 @@ class DFlashPipeline:
 
     # -- several sequences at once ---------------------------------------------------------------
     def batch_target(self, pool_blocks: int | None = None):
-        """The batched paged runner beside this pipeline's target (made once; same compiled model)."""
-        if self._batch_target is None or (pool_blocks is not None and pool_blocks != self._batch_target.pool_blocks):
+        """The batched paged runner beside this pipeline's target (made once; same compiled model). It
+        keeps a prefix cache of KV blocks across requests and calls while `prefix_cache` is on."""
+        current = self._batch_target
+        if current is None or (pool_blocks is not None and pool_blocks != current.pool_blocks) \
+                or current.caches_prefixes != bool(self.prefix_cache):
             from .batch_runners import batch_target_for
 
-            self._batch_target = batch_target_for(self.target, pool_blocks)
+            self._batch_target = batch_target_for(self.target, pool_blocks, prefix_caching=bool(self.prefix_cache))
         return self._batch_target
 
     def drafter_pool(self):
@@ -381,12 +384,15 @@ class DFlashPipeline:
                        top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
                        block_size: int | str | None = None, draft: bool | None = None,
                        apply_chat_template: bool = False, prompt_lookup: bool | None = None,
-                       max_batch_size: int = 8, pool_blocks: int | None = None) -> list[GenerationResult]:
+                       max_batch_size: int = 8, pool_blocks: int | None = None,
+                       prefix_cache: bool | None = None) -> list[GenerationResult]:
         """`generate` for every prompt, verified together: one target inference per round for all
         running sequences (continuous batching, at most max_batch_size at once; batch_generation).
         Each result equals that prompt's `generate` alone with the same arguments (greedy exactly;
         sampled with the same seed, the same draws). block_size="auto": each round's drafts are
-        chosen for the whole batch from its cost curve (`batch_draft_policy`)."""
+        chosen for the whole batch from its cost curve (`batch_draft_policy`). With prefix caching
+        (None: the pipeline's `prefix_cache`), a prompt starting with full KV blocks that an earlier
+        or concurrent sequence computed (a shared system prompt) prefills only the rest."""
         from .batch_generation import BatchGeneration
 
         if isinstance(prompts, (str, dict)) or not hasattr(prompts, "__iter__"):
@@ -397,8 +403,8 @@ class DFlashPipeline:
         with self._exclusive():
             batch = BatchGeneration(self, max_batch_size, pool_blocks)
             try:
-                results = [batch.add(i, ids, max_new_tokens, params, stop, block_size, draft, prompt_lookup)
-                           for i, ids in enumerate(encoded)]
+                results = [batch.add(i, ids, max_new_tokens, params, stop, block_size, draft, prompt_lookup,
+                                     prefix_cache) for i, ids in enumerate(encoded)]
                 while batch.has_work():
                     batch.step()
             finally:

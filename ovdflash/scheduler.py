@@ -3,13 +3,20 @@
 Contract:
 - A `BatchTarget` (batch_runners.OVPagedBatchTarget, or a mock) holds the KV cache of every sequence
   in one pool: `reserve(seq_id, num_tokens) -> bool` (False: not now; ValueError: never),
-  `release(seq_id)`, `committed(seq_id)`, `blocks_for(num_tokens)` against `pool_blocks`, `forward([(seq_id, token_ids, rows)]) -> [(logits rows,
-  features)]` in ONE inference, and `commit(seq_id, k)`; `max_length` is the context limit.
+  `release(seq_id)`, `committed(seq_id)`, `blocks_for(num_tokens)` against `pool_blocks`,
+  `forward([(seq_id, token_ids, rows)]) -> [(logits rows, features)]` in ONE inference, and
+  `commit(seq_id, k)`; `max_length` is the context limit. A target
+  whose `caches_prefixes` is True shares cached prompt blocks: `reserve(seq_id, n, prompt_ids)`,
+  after which `committed(seq_id)` is the cached prompt tokens and `cached_features(seq_id)` their
+  target features; every commit then passes the kept token ids and features.
+  Such a sequence prefills only the rest of its prompt (`stats.num_cached_prompt_tokens`), and its
+  drafter's context is the cached features followed by the prefill's, as a full prefill gives.
 - `Scheduler(target, drafters=None, max_batch_size=8, draft_policy=None)`: `drafters` hands out one
   `engine.DrafterRunner` per sequence (`take()`, `give(d)`; batch_runners.DrafterPool) or is None
   (AR only). `add(request_id, prompt_ids, max_new_tokens, params, block_size, prompt_lookup, eos,
-  load_aware=False)` queues a request and returns the `GenerationStats` it fills; it waits (FIFO) until the pool can
-  book prompt + max_new_tokens tokens and a batch slot is free. A prompt that leaves no room for a
+  load_aware=False, reuse_prefix=True)` queues a request and returns the `GenerationStats` it
+  fills; it waits (FIFO) until the pool can book prompt + max_new_tokens tokens (less the cached
+  blocks it shares) and a batch slot is free. A prompt that leaves no room for a
   token is `engine.PromptTooLongError`, a request larger than the whole pool a ValueError, both at add.
 - `step()` runs one round for every running sequence: new ones prefill, the others verify
   `[last, drafts...]` (drafter proposals, n-gram lookup drafts, or none = an AR step), all in one
@@ -81,6 +88,8 @@ class _Sequence:
     drafts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     from_lookup: bool = False
     policy_state: dict | None = None  # load-aware: the draft policy's view of this sequence
+    reuse_prefix: bool = True
+    num_cached: int = 0  # prompt tokens whose KV the pool's prefix cache gave
 
 
 class Scheduler:
@@ -92,6 +101,7 @@ class Scheduler:
         self.drafters = drafters
         self.max_batch_size = max_batch_size
         self.draft_policy = draft_policy
+        self.caches_prefixes = bool(getattr(target, "caches_prefixes", False))
         self.waiting: deque[_Sequence] = deque()
         self.running: dict[Hashable, _Sequence] = {}
         self.num_steps = 0
@@ -101,7 +111,7 @@ class Scheduler:
     # -- requests --------------------------------------------------------------------------------
     def add(self, request_id: Hashable, prompt_ids: Sequence[int], max_new_tokens: int,
             params: SamplingParams | None = None, block_size: int = 1, prompt_lookup: bool = False,
-            eos: Sequence[int] = (), load_aware: bool = False) -> GenerationStats:
+            eos: Sequence[int] = (), load_aware: bool = False, reuse_prefix: bool = True) -> GenerationStats:
         prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
         if len(prompt) == 0:
             raise ValueError("empty prompt")
@@ -126,7 +136,8 @@ class Scheduler:
         self.waiting.append(_Sequence(request_id, prompt, int(max_new_tokens), params, params.make_randomness(),
                                       set(int(t) for t in eos), int(block_size), bool(prompt_lookup), stats,
                                       time.perf_counter(),
-                                      policy_state=self.draft_policy.new_sequence() if load_aware else None))
+                                      policy_state=self.draft_policy.new_sequence() if load_aware else None,
+                                      reuse_prefix=bool(reuse_prefix)))
         return stats
 
     def abort(self, request_id: Hashable) -> bool:
@@ -150,15 +161,20 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            if not self.target.reserve(seq.request_id, self._tokens_needed(len(seq.prompt), seq.max_new_tokens)):
+            need = self._tokens_needed(len(seq.prompt), seq.max_new_tokens)
+            booked = (self.target.reserve(seq.request_id, need, seq.prompt if seq.reuse_prefix else None)
+                      if self.caches_prefixes else self.target.reserve(seq.request_id, need))
+            if not booked:
                 return  # FIFO: the head waits for blocks, nobody overtakes it
             self.waiting.popleft()
+            seq.num_cached = self.target.committed(seq.request_id)
             if seq.block_size > 1:
                 seq.drafter = self.drafters.take()
                 seq.drafter.reset()
                 seq.lookup = NgramLookup() if seq.use_lookup else None
             seq.stats.num_calls += 1
             seq.stats.num_prompt_tokens += len(seq.prompt)
+            seq.stats.num_cached_prompt_tokens += seq.num_cached
             self.running[seq.request_id] = seq
 
     def _finish(self, seq: _Sequence) -> None:
@@ -180,7 +196,7 @@ class Scheduler:
         for seq in seqs:
             t0 = time.perf_counter()
             if not seq.prefilled:
-                batch.append((seq.request_id, seq.prompt, [len(seq.prompt) - 1]))
+                batch.append((seq.request_id, seq.prompt[seq.num_cached:], [len(seq.prompt) - seq.num_cached - 1]))
                 continue
             self._choose_drafts(seq, chosen.get(seq.request_id))
             seq.stats.draft_s += time.perf_counter() - t0
@@ -212,7 +228,7 @@ class Scheduler:
         aware = [s for s in seqs if s.prefilled and s.policy_state is not None]
         if not aware:
             return {}
-        fixed = sum(len(s.prompt) if not s.prefilled else self._block_room(s)
+        fixed = sum(len(s.prompt) - s.num_cached if not s.prefilled else self._block_room(s)
                     for s in seqs if s.policy_state is None or not s.prefilled)
         caps = [self._block_room(s) - 1 for s in aware]
         ks = self.draft_policy.choose([s.policy_state for s in aware], caps, fixed)
@@ -235,10 +251,11 @@ class Scheduler:
         seq.ctx_feats = seq.ctx_feats[:0]
 
     def _prefilled(self, seq: _Sequence, logits, feats, call_s: float) -> list[tuple[int, bool]]:
-        n = len(seq.prompt)
-        self.target.commit(seq.request_id, n)
+        n, rest = len(seq.prompt), seq.prompt[seq.num_cached:]
+        self._commit(seq, rest, feats)
         seq.last = sample_token(logits[-1], seq.params, seq.randomness.at(n))
-        seq.ctx_feats = np.array(feats)
+        cached = self.target.cached_features(seq.request_id) if seq.num_cached else None
+        seq.ctx_feats = np.array(feats) if cached is None else np.concatenate([cached, feats])
         if seq.lookup is not None:
             seq.lookup.reset(np.append(seq.prompt, seq.last))
         seq.prefilled = True
@@ -257,7 +274,7 @@ class Scheduler:
             seq.stats.record_round(len(drafts), num_accepted, from_lookup=seq.from_lookup)
             if seq.policy_state is not None and not seq.from_lookup:  # lookup hits say nothing of the drafter
                 self.draft_policy.observe(seq.policy_state, len(drafts), num_accepted)
-        self.target.commit(seq.request_id, num_accepted + 1)  # rejected slots are overwritten next call
+        self._commit(seq, np.concatenate(([seq.last], drafts[:num_accepted])), feats)  # rejected slots: overwritten next call
         if seq.drafter is not None:  # the drafter's context stays complete: a copy, the view dies next call
             seq.ctx_feats = np.concatenate([seq.ctx_feats, feats[: num_accepted + 1]])
         seq.stats.verify_s += call_s
@@ -266,6 +283,12 @@ class Scheduler:
         if seq.lookup is not None:
             seq.lookup.extend(accepted + [seq.last])
         return [(t, True) for t in accepted] + [(seq.last, False)]
+
+    def _commit(self, seq: _Sequence, kept_ids: np.ndarray, feats: np.ndarray) -> None:
+        if self.caches_prefixes:
+            self.target.commit(seq.request_id, len(kept_ids), kept_ids, feats)
+        else:
+            self.target.commit(seq.request_id, len(kept_ids))
 
     def _emit(self, seq: _Sequence, pending: list[tuple[int, bool]]) -> list[TokenEvent]:
         """The round's events with engine.generate's stop rules; a finished sequence leaves."""

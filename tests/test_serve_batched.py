@@ -3,7 +3,9 @@
 Checked: concurrent clients (chat and completions, streamed or not, greedy and seeded sampling,
 stop strings) get exactly the pipeline's text alone while their rounds share target calls; the
 load-aware "auto" drafts keep the text; a client that leaves mid-stream gives its KV blocks back;
-a small KV pool makes requests wait, never fail; a request the batch cannot take is answered alone.
+a small KV pool makes requests wait, never fail, and lowers the context limit to what it holds
+(a request beyond it is a 400); requests sharing a system prompt reuse its KV blocks (the
+prefix-cache counters) with unchanged text, and --no-enable-prefix-caching turns that off.
 """
 import contextlib
 import threading
@@ -16,7 +18,7 @@ pytest.importorskip("fastapi")
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
-from ovdflash.batch_runners import bytes_per_block  # noqa: E402
+from ovdflash.batch_runners import paged_compiled, pool_bytes_per_block  # noqa: E402
 from test_serve import free_port, scrape  # noqa: E402
 
 PROMPTS = ["Tell me a story about a cat.", "What is 2 + 2?", "Write a haiku about rain.", "List three colours.",
@@ -88,7 +90,7 @@ def test_concurrent_requests_share_rounds_and_get_the_texts_alone(pipe, block_si
         assert scheduler.num_batched_sequences > scheduler.num_steps  # some calls carried several sequences
         metrics = scrape(url)
         target = pipe.batch_target()
-        assert target.num_reserved == 0 and len(target.free) == target.num_blocks
+        assert target.num_reserved == 0 and len(target.free) + len(target.evictable) == target.num_blocks
     assert sum(metrics.get(("ovdflash:request_success_total", (("finished_reason", r),)), 0)
                for r in ("stop", "length")) == 12
     for prompt, max_tokens, kwargs, text in answers:
@@ -118,7 +120,7 @@ def test_a_client_leaving_mid_stream_frees_its_blocks_and_others_finish(pipe):
 def test_a_small_pool_makes_requests_wait_not_fail(pipe):
     block_tokens = pipe.batch_target().block_tokens
     # room for about two 40-token requests at once
-    per_block = bytes_per_block(pipe.batch_target().cache_inputs)
+    per_block = pool_bytes_per_block(paged_compiled(pipe.target))
     with serving(pipe, block_size=4, kv_cache_memory_bytes=str(per_block * 2 * (-(-60 // block_tokens)))) \
             as (url, engine):
         with ThreadPoolExecutor(6) as pool:
@@ -129,10 +131,51 @@ def test_a_small_pool_makes_requests_wait_not_fail(pipe):
     assert answers == [pipe.generate(PROMPTS[i], max_new_tokens=30, block_size=4).text for i in range(6)]
 
 
-def test_a_request_larger_than_the_pool_is_an_error_alone(pipe):
-    per_block = bytes_per_block(pipe.batch_target().cache_inputs)
+def test_a_small_pool_lowers_the_context_limit_and_a_larger_request_is_a_400(pipe):
+    per_block = pool_bytes_per_block(paged_compiled(pipe.target))
+    block_tokens = pipe.batch_target().block_tokens
     with serving(pipe, block_size=4, kv_cache_memory_bytes=str(per_block)) as (url, engine):
-        with pytest.raises(openai.InternalServerError, match="pool"):
+        assert engine.max_model_len == block_tokens
+        assert client_for(url).models.list().data[0].model_extra["max_model_len"] == block_tokens
+        with pytest.raises(openai.BadRequestError, match="context") as info:
             client_for(url).completions.create(model="tiny", prompt=PROMPTS[0] * 5, max_tokens=100)
+        assert info.value.code == "context_length_exceeded"
         ok = client_for(url).completions.create(model="tiny", prompt="Hi", max_tokens=2, temperature=0)
         assert ok.choices[0].finish_reason == "length"
+    from ovdflash.cmd_serve import build_server_app
+
+    with pytest.raises(ValueError, match=f"holds {block_tokens} tokens of KV cache, fewer than --max-model-len"):
+        build_server_app(pipe, ["tiny"], max_num_seqs=2, kv_cache_memory_bytes=str(per_block),
+                         max_model_len=block_tokens + 1)
+
+
+def test_requests_sharing_a_system_prompt_reuse_its_blocks(pipe):
+    system = "You are a careful assistant. Answer briefly and never make things up. " * 6
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": p}] for p in PROMPTS[:6]]
+
+    def ask_all(url):
+        client = client_for(url)
+        first = client.chat.completions.create(model="tiny", messages=chats[0], max_tokens=8, temperature=0)
+        with ThreadPoolExecutor(4) as pool:
+            rest = list(pool.map(lambda m: client.chat.completions.create(
+                model="tiny", messages=m, max_tokens=8, temperature=0), chats[1:]))
+        return [r.choices[0].message.content for r in [first] + rest], [first] + rest
+
+    pipe.prefix_cache = True
+    try:
+        with serving(pipe, block_size=4) as (url, engine):
+            texts, replies = ask_all(url)
+            metrics = scrape(url)
+    finally:
+        pipe.prefix_cache = False
+    num_system = len(pipe.tokenizer.encode_chat([{"role": "system", "content": system}], add_generation_prompt=False))
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in replies]
+    b = pipe.batch_target().block_tokens
+    assert num_system >= b and cached[0] == 0 and all(c >= num_system // b * b for c in cached[1:])
+    assert metrics[("ovdflash:prefix_cache_hits_total", ())] == sum(cached) > 0
+    assert metrics[("ovdflash:prefix_cache_queries_total", ())] == sum(r.usage.prompt_tokens for r in replies)
+    assert texts == [pipe.generate(m, max_new_tokens=8, block_size=4, prefix_cache=False).text for m in chats]
+    with serving(pipe, block_size=4) as (url, engine):  # the pipeline's prefix_cache is off: nothing reused
+        _, replies = ask_all(url)
+        assert ("ovdflash:prefix_cache_hits_total", ()) not in scrape(url)
+    assert all(not (r.usage.prompt_tokens_details and r.usage.prompt_tokens_details.cached_tokens) for r in replies)

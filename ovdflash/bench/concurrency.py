@@ -5,7 +5,7 @@ Contract:
   `batch-dflash@B` (`DFlashPipeline.generate_batch` of the C prompts at block size B, lookup drafts
   as the pipeline's default), `batch-ar` (generate_batch with draft=False), `genai-cb`
   (openvino.genai's ContinuousBatchingPipeline, autoregressive, the C prompts in one generate call,
-  prefix caching off as in every genai mode of the bench) and `seq-dflash@B` (our single-sequence
+  prefix caching off as in every genai mode of the bench, and off for ours too) and `seq-dflash@B` (our single-sequence
   DFlash, `runners.OursRunner`, over the C prompts one after another: the baseline a batch must
   beat). A mode that cannot run here is skipped with a note.
 - `run_concurrency(pipe, prompts, concurrency, max_new_tokens, modes, block_sizes, repetitions,
@@ -179,7 +179,7 @@ class BatchedRunner:
             t0 = time.perf_counter()
             results = self.pipe.generate_batch(prompts, max_new_tokens=max_new_tokens,
                                                block_size=self.block_size if draft else 1, draft=draft,
-                                               max_batch_size=len(prompts))
+                                               max_batch_size=len(prompts), prefix_cache=False)
             wall = time.perf_counter() - t0
         stats = GenerationStats()
         for r in results:
@@ -455,7 +455,8 @@ def run_concurrency_bench(model_dir: Path, concurrency: list[int], prompt_sets: 
     from .prompts import encode_prompts
 
     manifest, notes = load_manifest(model_dir), []
-    pipe = DFlashPipeline.from_pretrained(model_dir, target_runner=target_runner, **config)
+    # every mode prefills every prompt whole, as genai-cb does with its prefix caching off
+    pipe = DFlashPipeline.from_pretrained(model_dir, target_runner=target_runner, prefix_cache=False, **config)
     block_sizes = block_sizes or [pipe.default_block_size]
     prompts = {name: encode_prompts(pipe, name, num_prompts) for name in prompt_sets}
     if num_prompts < max(concurrency):

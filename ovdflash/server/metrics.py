@@ -1,11 +1,13 @@
 """Prometheus metrics of one server, named as vLLM names them with the prefix `ovdflash:`.
 
-Contract: `ServerMetrics(model_name)` owns a private `CollectorRegistry` (several apps may live in
+Contract: `ServerMetrics(model_name, prefix_caching=True)` owns a private `CollectorRegistry` (several apps may live in
 one process, as tests build them), served by `/metrics`. Every series carries `model_name`.
 - Counters: `ovdflash:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`,
   `..._num_accepted_tokens_total`, `..._num_accepted_tokens_per_pos_total{position}` (0-based
   draft position), `..._num_lookup_drafts_total` (the rounds whose drafts came from n-gram
   lookup), `ovdflash:prompt_tokens_total`, `ovdflash:generation_tokens_total`,
+  `ovdflash:prefix_cache_queries_total` / `ovdflash:prefix_cache_hits_total` (prompt tokens looked
+  up in the prefix cache, and those whose KV it gave),
   `ovdflash:request_success_total{finished_reason}` (stop, length, abort, error: every request
   the engine took, answered or not), `ovdflash:request_rejected_total{reason}` (queue_full,
   shutting_down).
@@ -30,9 +32,10 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, prefix_caching: bool = True):
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
+        self.prefix_caching = prefix_caching  # off: no prompt token is looked up
         r, m = self.registry, ["model_name"]
 
         def counter(name, doc, labels=()):
@@ -47,6 +50,8 @@ class ServerMetrics:
                                          "Verify rounds whose drafts came from n-gram lookup.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens whose KV the prefix cache gave.")
         self.request_success = counter("request_success", "Requests finished, by reason.", ["finished_reason"])
         self.request_rejected = counter("request_rejected", "Requests refused before the engine, by reason.",
                                         ["reason"])
@@ -80,6 +85,9 @@ class ServerMetrics:
         for position, accepted in enumerate(stats.accepted_per_position):
             self.num_accepted_per_pos.labels(name, str(position)).inc(accepted)
         self.prompt_tokens.labels(name).inc(stats.num_prompt_tokens)
+        if self.prefix_caching:
+            self.prefix_cache_queries.labels(name).inc(stats.num_prompt_tokens)
+            self.prefix_cache_hits.labels(name).inc(stats.num_cached_prompt_tokens)
         self.generation_tokens.labels(name).inc(num_output_tokens)
         self.request_success.labels(name, finish_reason).inc()
         self.e2e.labels(name).observe(e2e_s)

@@ -71,6 +71,7 @@ class ServeOptions:
     precision: str | None = None
     max_num_seqs: int | None = None
     kv_cache_memory_bytes: str | int | None = None
+    enable_prefix_caching: bool = True
     max_queue: int = 128
     max_model_len: int | None = None
     api_key: str | None = None
@@ -192,7 +193,8 @@ class OpenAIReplica:
 
         s, o = self.settings, self.settings.options
         pipe = load_pipeline(s.model_dir, o.device, o.no_draft, o.cache_dir, o.target_runner, o.prompt_lookup,
-                             o.precision, with_thread_count(o.config, s.num_cpus), o.block_size)
+                             o.precision, with_thread_count(o.config, s.num_cpus), o.block_size,
+                             o.enable_prefix_caching)
         self.threads = int(pipe.target.compiled.get_property(THREADS_PROPERTY))
         names = list(o.served_model_names) or [Path(pipe.model_dir).name]
         app = build_server_app(pipe, names, block_size=o.block_size, draft=False if o.no_draft else None,
