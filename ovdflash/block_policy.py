@@ -295,10 +295,13 @@ class BatchDraftPolicy:
     its final slope); `draft_cost_s[k]`: one sequence's drafter call for k drafts (`[0]` is 0).
     `choose(states, caps, fixed_tokens)` picks k_i in 0..caps[i] that maximize the batch's expected
     tokens per second, sum_i E_i[accepted + 1](k_i) / (call_cost(fixed_tokens + sum_i (k_i + 1)) +
-    sum_i draft_cost(k_i)): from all-AR it repeatedly takes the one step k_i -> k' that raises that
-    rate most, and stops when none does, so drafting is used where it pays and all-AR stays a
-    choice. Each sequence's acceptance is its own `DraftAcceptance` (`new_sequence()`,
-    `observe(state, drafted, accepted)`). A sequence held at AR for `explore_every` rounds probes
+    sum_i draft_cost(k_i)): it starts from the best of all-AR and every uniform k (each sequence
+    min(k, cap_i): the curve can step up where the runner changes kernels, so no single sequence's
+    draft pays on its own while all of them do), then repeatedly takes the one change k_i -> k'
+    that raises that rate most, and stops when none does; all-AR stays a choice. Each sequence's
+    acceptance is its own `DraftAcceptance` (`new_sequence()`, `observe(state, drafted,
+    accepted)`), whose prior is the first-draft acceptance of every sequence observed so far
+    (`population`). A sequence held at AR for `explore_every` rounds probes
     with `probe_drafts` drafts (the wait doubles up to `max_explore_every`, reset when drafting
     is chosen), so its estimate does not freeze. `observe_call(tokens, seconds)` learns the cost
     curve in use, as BlockPolicy.observe_round does (a drift of every cost, draft costs too, then
@@ -320,6 +323,7 @@ class BatchDraftPolicy:
         self.explore_every, self.max_explore_every, self.probe_drafts = explore_every, max_explore_every, probe_drafts
         self.cost_update_rate, self.drift_rate = cost_update_rate, drift_rate
         self.prior = (prior_acceptance, prior_strength, decay)
+        self.population = DraftAcceptance(self.max_drafts, prior_acceptance, prior_strength, 0.999)
 
     def call_cost(self, num_tokens) -> np.ndarray:
         tokens, costs = self.call_tokens, self.call_cost_s
@@ -329,36 +333,48 @@ class BatchDraftPolicy:
         return np.where(num_tokens > tokens[-1], costs[-1] + slope * (num_tokens - tokens[-1]), inside)
 
     def new_sequence(self) -> dict:
-        return {"estimate": DraftAcceptance(self.max_drafts, *self.prior), "ar_streak": 0,
-                "explore_wait": self.explore_every}
+        _, strength, decay = self.prior  # its prior: the first-draft acceptance of every sequence so far
+        estimate = DraftAcceptance(self.max_drafts, self.population.acceptance()[0], strength, decay)
+        return {"estimate": estimate, "ar_streak": 0, "explore_wait": self.explore_every}
 
     def choose(self, states: list[dict], caps: Sequence[int], fixed_tokens: int = 0) -> list[int]:
         caps = [max(0, min(int(c), self.max_drafts)) for c in caps]
         gains = [s["estimate"].expected_tokens()[: c + 1] for s, c in zip(states, caps)]
-        ks = [0] * len(states)
-        tokens = fixed_tokens + len(states)
-        expected, drafting = float(len(states)), 0.0
-        cost = float(self.call_cost(tokens))
-        while True:
-            best_rate, best = expected / cost, None
-            for i, (k, cap) in enumerate(zip(ks, caps)):
-                if k >= cap:
-                    continue
-                options = np.arange(k + 1, cap + 1)
-                new_cost = (self.call_cost(tokens + options - k) + drafting
-                            + self.draft_cost_s[options] - self.draft_cost_s[k])
-                rates = (expected + gains[i][options] - gains[i][k]) / new_cost
-                j = int(np.argmax(rates))
-                if rates[j] > best_rate * (1 + 1e-9):
-                    best_rate, best = rates[j], (i, int(options[j]))
-            if best is None:
-                break
-            i, k = best
-            tokens += k - ks[i]
-            expected += gains[i][k] - gains[i][ks[i]]
-            drafting += self.draft_cost_s[k] - self.draft_cost_s[ks[i]]
-            ks[i] = k
+
+        def totals(ks):
+            return (fixed_tokens + len(ks) + sum(ks), sum(g[k] for g, k in zip(gains, ks)),
+                    float(sum(self.draft_cost_s[k] for k in ks)))
+
+        def climb(ks):
+            """(rate, ks) after taking the best single change k_i -> k' until none raises the rate."""
+            tokens, expected, drafting = totals(ks)
             cost = float(self.call_cost(tokens)) + drafting
+            while True:
+                best_rate, best = expected / cost, None
+                for i, (k, cap) in enumerate(zip(ks, caps)):
+                    options = np.array([o for o in range(cap + 1) if o != k], dtype=np.int64)
+                    if not len(options):
+                        continue
+                    new_cost = (self.call_cost(tokens + options - k) + drafting
+                                + self.draft_cost_s[options] - self.draft_cost_s[k])
+                    rates = (expected + gains[i][options] - gains[i][k]) / new_cost
+                    j = int(np.argmax(rates))
+                    if rates[j] > best_rate * (1 + 1e-9):
+                        best_rate, best = rates[j], (i, int(options[j]))
+                if best is None:
+                    return best_rate, ks
+                i, k = best
+                tokens += k - ks[i]
+                expected += gains[i][k] - gains[i][ks[i]]
+                drafting += self.draft_cost_s[k] - self.draft_cost_s[ks[i]]
+                ks[i] = k
+                cost = float(self.call_cost(tokens)) + drafting
+
+        uniform = [[min(k, cap) for cap in caps] for k in range(max(caps, default=0) + 1)]
+        rates = [expected / (float(self.call_cost(tokens)) + drafting)
+                 for tokens, expected, drafting in map(totals, uniform)]
+        best_uniform = uniform[int(np.argmax(rates))]
+        ks = max(climb([0] * len(caps)), climb(list(best_uniform)), key=lambda found: found[0])[1]
         for i, state in enumerate(states):
             if ks[i]:
                 state["ar_streak"], state["explore_wait"] = 0, self.explore_every
@@ -370,9 +386,9 @@ class BatchDraftPolicy:
                     state["explore_wait"] = min(2 * state["explore_wait"], self.max_explore_every)
         return ks
 
-    @staticmethod
-    def observe(state: dict, num_drafted: int, num_accepted: int) -> None:
+    def observe(self, state: dict, num_drafted: int, num_accepted: int) -> None:
         state["estimate"].observe(num_drafted, num_accepted)
+        self.population.observe(num_drafted, num_accepted)
 
     def observe_call(self, num_tokens: int, seconds: float) -> None:
         estimate = float(self.call_cost(num_tokens))
@@ -397,11 +413,13 @@ def measure_batch_costs(target, drafter, max_tokens: int, max_drafts: int, repet
     """(call_tokens, call_cost_s, draft_cost_s) for BatchDraftPolicy: medians of `repetitions`
     batched target calls of each size in BATCH_CALL_SIZES up to max_tokens (one sequence after a
     `context_tokens` prompt; sizes interleaved so machine noise hits all alike), and of drafter
-    calls for 1 and max_drafts drafts (interpolated between). Leaves both runners as it found them
-    (the calibration sequence is released; the drafter is reset)."""
+    calls for 1 and max_drafts drafts (interpolated between). Each timed call follows an untimed
+    one of the same size: the plugin's first call after a shape change costs more, and a batch's
+    rounds mostly repeat their size. Leaves both runners as it found them (the calibration
+    sequence is released; the drafter is reset)."""
     sizes = [t for t in BATCH_CALL_SIZES if t <= max_tokens] or [1]
     key = ("calibration", id(target))
-    budget = context_tokens + repetitions * len(sizes) + max(sizes)
+    budget = context_tokens + 2 * repetitions * len(sizes) + max(sizes)
     if budget >= target.max_length or not target.reserve(key, budget):
         raise RuntimeError(f"no room to measure the batch costs ({budget} tokens of KV cache needed)")
     try:
@@ -412,18 +430,22 @@ def measure_batch_costs(target, drafter, max_tokens: int, max_drafts: int, repet
         costs = {t: [] for t in sizes}
         for rep in range(repetitions):
             for t in sizes[rep % len(sizes):] + sizes[: rep % len(sizes)]:
-                t0 = time.perf_counter()
-                target.forward([(key, ids[:t], np.arange(t))])
-                costs[t].append(time.perf_counter() - t0)
-                target.commit(key, 1)
+                for timed in (False, True):
+                    t0 = time.perf_counter()
+                    target.forward([(key, ids[:t], np.arange(t))])
+                    if timed:
+                        costs[t].append(time.perf_counter() - t0)
+                    target.commit(key, 1)
         drafter.reset()
         drafter.propose(int(ids[0]), feats, context_tokens, 1)
         draft = {1: [], max_drafts: []}
         for _ in range(repetitions):
             for k in draft:
-                t0 = time.perf_counter()
-                drafter.propose(int(ids[0]), feats[:0], context_tokens, k)
-                draft[k].append(time.perf_counter() - t0)
+                for timed in (False, True):
+                    t0 = time.perf_counter()
+                    drafter.propose(int(ids[0]), feats[:0], context_tokens, k)
+                    if timed:
+                        draft[k].append(time.perf_counter() - t0)
         drafter.reset()
     finally:
         target.release(key)

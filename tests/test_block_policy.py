@@ -529,3 +529,30 @@ def test_batch_policy_learns_the_cost_curve():
     assert policy.call_cost_s == sorted(policy.call_cost_s)
     with pytest.raises(ValueError, match="increasing"):
         BatchDraftPolicy([2, 1], [0.01, 0.02], [0.0, 0.001])
+
+
+def test_batch_policy_drafts_for_all_where_no_single_draft_pays():
+    """A curve that steps up once past 4 tokens (the runner's kernels change) and is shallow after:
+    one sequence drafting alone pays the whole step, four drafting together share it."""
+    call_ms = [16.0] * 4 + [26.0 + 1.5 * (t - 5) for t in range(5, 65)]
+    policy = batch_policy(call_ms, 0.8, draft_ms=0.8, max_drafts=3)
+    states = [policy.new_sequence() for _ in range(4)]
+    ks = policy.choose(states, [3] * 4)
+    assert ks == [3] * 4
+    assert batch_rate(policy, states, ks) > batch_rate(policy, states, [0] * 4)
+    assert all(batch_rate(policy, states, [3 if j == i else 0 for j in range(4)]) < batch_rate(policy, states, [0] * 4)
+               for i in range(4))  # the trap a climb from all-AR alone stops in
+
+
+def test_new_sequences_start_from_the_acceptance_seen_so_far():
+    policy = BatchDraftPolicy([1, 8], [0.02, 0.03], [0.0] + [0.001] * 3)
+    assert policy.new_sequence()["estimate"].acceptance()[0] == pytest.approx(0.5)
+    seen = policy.new_sequence()
+    for _ in range(200):
+        policy.observe(seen, 3, 3)  # every draft accepted
+    fresh = policy.new_sequence()["estimate"]
+    assert fresh.acceptance()[0] > 0.9
+    assert fresh.accepted == [0.0] * 3  # a prior only: the sequence's own rounds still decide
+    for _ in range(40):
+        policy.observe(seen, 3, 0)
+    assert policy.new_sequence()["estimate"].acceptance()[0] < fresh.acceptance()[0]
