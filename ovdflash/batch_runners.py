@@ -22,6 +22,8 @@ Contract:
   released first, a chain's tail before its head) when a sequence needs a block and the pool is at
   its limit. Outputs are those of a full prefill, since a block is found only by its exact tokens.
   `num_prefix_queries` / `num_prefix_hits` count the prompt tokens looked up and found.
+- `wide`, `wide_from`: the target's f32-weight copy and the call size from which it runs, as in
+  `OVPagedTarget` (`batch_target_for` passes the single-sequence target's); both share the pool.
 - `forward(batch)`: batch = [(seq_id, token_ids, rows)], one inference for all: per sequence
   `past_lens` = its committed tokens, its block table, `subsequence_begins` / `block_indices_begins`
   over the flattened tokens, and `logits_indices` only for each sequence's `rows` (indices into its
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import openvino as ov
 
-from .runners import OVDrafter, OVPagedTarget, run_request
+from .runners import WIDE_FROM, OVDrafter, OVPagedTarget, paged_cache_inputs, run_request
 
 # KV cache the pool may hold by default, across all sequences
 DEFAULT_POOL_BYTES = 1 << 30
@@ -50,8 +52,7 @@ DEFAULT_POOL_BYTES = 1 << 30
 
 def cache_inputs_of(compiled: ov.CompiledModel) -> list:
     """(name, element type, per-block shape) of every key_cache.* / value_cache.* input of a paged target."""
-    inputs = [(i.get_any_name(), i.get_element_type(), [d.get_length() for d in i.get_partial_shape()[1:]])
-              for i in compiled.inputs if i.get_any_name().startswith(("key_cache.", "value_cache."))]
+    inputs = paged_cache_inputs(compiled)
     if not inputs:
         raise ValueError("this target has no key_cache.* inputs: batching needs the paged target runner")
     return inputs
@@ -110,13 +111,17 @@ class OVPagedBatchTarget:
     kind = "paged-batch"
 
     def __init__(self, compiled: ov.CompiledModel, max_length: int, pool_blocks: int | None = None,
-                 initial_blocks: int = 16, prefix_caching: bool = True):
+                 initial_blocks: int = 16, prefix_caching: bool = True, wide: ov.CompiledModel | None = None,
+                 wide_from: int = WIDE_FROM):
         self.compiled = compiled
         self.request = compiled.create_infer_request()
+        self.wide_request = wide.create_infer_request() if wide is not None else None  # as OVPagedTarget's
+        self.wide_from = wide_from
+        self.num_wide_calls = 0
         self.max_length = max_length
-        self.logits_out = compiled.output("logits")
-        self.hidden_out = compiled.output("target_hidden")
         self.cache_inputs = cache_inputs_of(compiled)
+        if wide is not None and paged_cache_inputs(wide) != self.cache_inputs:
+            raise ValueError("the wide target's KV cache inputs differ from the target's")
         self.block_tokens = block_tokens_of(self.cache_inputs)
         self.caches_prefixes = bool(prefix_caching)
         blocks_per_sequence = -(-max_length // self.block_tokens)
@@ -295,7 +300,8 @@ class OVPagedBatchTarget:
             tables.extend(table)
             max_context = max(max_context, end)
             seq.pending = num
-        run_request(self.request, {
+        request = OVPagedTarget.request_for(self, int(subsequence_begins[-1]))
+        run_request(request, {
             "input_ids": np.concatenate(ids),
             "position_ids": np.concatenate(positions),
             "past_lens": past_lens,
@@ -305,8 +311,8 @@ class OVPagedBatchTarget:
             "max_context_len": np.array(max_context, dtype=np.int32),
             "logits_indices": np.concatenate(rows_flat),
         })
-        logits = self.request.get_tensor(self.logits_out).data[:, 0]
-        hidden = self.request.get_tensor(self.hidden_out).data[:, 0]
+        logits = request.get_tensor("logits").data[:, 0]
+        hidden = request.get_tensor("target_hidden").data[:, 0]
         out, row = [], 0
         for i, (_, _, rows) in enumerate(batch):
             out.append((logits[row:row + len(rows)], hidden[subsequence_begins[i]:subsequence_begins[i + 1]]))
@@ -373,5 +379,7 @@ def paged_compiled(target) -> ov.CompiledModel:
 
 
 def batch_target_for(target, pool_blocks: int | None = None, prefix_caching: bool = True) -> OVPagedBatchTarget:
-    """The batch runner beside a pipeline's single-sequence target (its compiled paged model)."""
-    return OVPagedBatchTarget(paged_compiled(target), target.max_length, pool_blocks, prefix_caching=prefix_caching)
+    """The batch runner beside a pipeline's single-sequence target (its compiled paged model, and its
+    f32-weight copy for wide calls where it has one)."""
+    return OVPagedBatchTarget(paged_compiled(target), target.max_length, pool_blocks, prefix_caching=prefix_caching,
+                              wide=target.wide_compiled, wide_from=target.wide_from)

@@ -91,8 +91,12 @@ def _sigint_to_main_thread_only():
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None,
               help="Target numerics: f32 (the default; greedy DFlash equals AR) or bf16 (faster verifies on CPUs "
                    "with BF16/AMX; greedy replies can part from AR at near-ties: docs/BENCHMARKS.md).")
+@click.option("--wide-target/--no-wide-target", default=None,
+              help="A second copy of an fp16-weight target with f32 weights for calls of many tokens (wide "
+                   "verifies, batches, prefills): faster, at twice the target's weight size in memory. "
+                   "Default: when that fits a quarter of the available memory.")
 def chat(model_dir, prompt, system, temperature, top_p, top_k, max_new_tokens, block_size, no_draft, prompt_lookup,
-         prefix_cache, seed, device, cache_dir, config, target_runner, precision):
+         prefix_cache, seed, device, cache_dir, config, target_runner, precision, wide_target):
     """Chat with MODEL_DIR (default: SmolLM2-135M + shipped drafter)."""
     from .pipeline import DFlashPipeline
     from .sampling import SamplingParams
@@ -104,7 +108,8 @@ def chat(model_dir, prompt, system, temperature, top_p, top_k, max_new_tokens, b
             pipe = DFlashPipeline.from_pretrained(model_dir, device=device, draft=not no_draft,
                                                   cache_dir=cache_dir, target_runner=target_runner,
                                                   prompt_lookup=prompt_lookup, precision=precision,
-                                                  prefix_cache=prefix_cache, **parse_config_options(config))
+                                                  prefix_cache=prefix_cache, wide_target=wide_target,
+                                                  **parse_config_options(config))
             pipe.warm_up(block_size=block_size)  # with "auto" this measures its costs
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from exc

@@ -44,7 +44,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def load_pipeline(model_dir, device, no_draft, cache_dir, target_runner, prompt_lookup, precision, config,
-                  block_size, prefix_caching=True):
+                  block_size, prefix_caching=True, wide_target=None):
     """The pipeline `serve` runs, loaded and warmed up as `ovdflash chat` does."""
     from .pipeline import DFlashPipeline
 
@@ -52,7 +52,7 @@ def load_pipeline(model_dir, device, no_draft, cache_dir, target_runner, prompt_
         pipe = DFlashPipeline.from_pretrained(model_dir, device=device, draft=not no_draft, cache_dir=cache_dir,
                                               target_runner=target_runner, prompt_lookup=prompt_lookup,
                                               precision=precision, prefix_cache=prefix_caching,
-                                              **parse_config_options(config))
+                                              wide_target=wide_target, **parse_config_options(config))
         pipe.warm_up(block_size=block_size)
     return pipe
 
@@ -165,6 +165,10 @@ def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_
               help="How the target's attention runs (paged or stateful). Default: the model directory's choice.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None,
               help="Target numerics: f32 (the default) or bf16 (on CPUs with BF16/AMX).")
+@click.option("--wide-target/--no-wide-target", default=None,
+              help="A second copy of an fp16-weight target with f32 weights for calls of many tokens (wide "
+                   "verifies, batches, prefills): faster, at twice the target's weight size in memory. "
+                   "Default: when that fits a quarter of the available memory.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 @click.option("--replicas", type=click.IntRange(1), default=None,
@@ -176,7 +180,7 @@ def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_
                    "default: a local instance on loopback.")
 def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_size, no_draft, prompt_lookup,
           max_num_seqs, kv_cache_memory_bytes, enable_prefix_caching, max_queue, max_model_len, max_request_bytes,
-          shutdown_timeout, device, cache_dir, config, target_runner, precision, log_level, replicas,
+          shutdown_timeout, device, cache_dir, config, target_runner, precision, wide_target, log_level, replicas,
           num_cpus_per_replica, ray_address):
     """Serve MODEL_DIR (default: SmolLM2-135M + shipped drafter) as an OpenAI-compatible API."""
     if not api_key and not _is_loopback(host) and not allow_open:
@@ -192,7 +196,8 @@ def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_s
                                 no_draft=no_draft, prompt_lookup=prompt_lookup, device=device, cache_dir=cache_dir,
                                 config=config, target_runner=target_runner, precision=precision,
                                 max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                                enable_prefix_caching=enable_prefix_caching, max_queue=max_queue, max_model_len=max_model_len, api_key=api_key,
+                                enable_prefix_caching=enable_prefix_caching, wide_target=wide_target,
+                                max_queue=max_queue, max_model_len=max_model_len, api_key=api_key,
                                 max_request_bytes=max_request_bytes)
         except (ImportError, ValueError, FileNotFoundError, RuntimeError) as exc:
             raise click.ClickException(str(exc)) from exc
@@ -202,7 +207,7 @@ def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_s
         block_size = _parse_block_size(block_size)
         from .server.app import run_server  # fastapi/uvicorn missing: a clear error before the slow load
         pipe = load_pipeline(model_dir, device, no_draft, cache_dir, target_runner, prompt_lookup, precision,
-                             config, block_size, enable_prefix_caching)
+                             config, block_size, enable_prefix_caching, wide_target)
         names = list(served_model_name) or [Path(pipe.model_dir).name]
         app = build_server_app(pipe, names, block_size, False if no_draft else None, max_num_seqs, max_queue,
                                max_model_len, api_key, max_request_bytes, kv_cache_memory_bytes)

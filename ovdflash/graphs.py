@@ -18,7 +18,10 @@ Contract (docs/DESIGN.md, "Runtime graphs"):
   sliced out of the weight constants (compressed ones stay compressed) when the head weight
   is a plain or decompressed (Convert/Subtract/Multiply) constant; otherwise a runtime Gather.
 
-Both functions edit the given model in place and return it. The layer locators are the
+* ``with_f32_weights(model)``: a copy whose f16 weight constants (Constant f16 -> Convert f32)
+  are f32 constants, for the paged target's wide calls (``ovdflash.wide_target``).
+
+The first two edit the given model in place and return it. The layer locators are the
 rt_info entry ``hidden_states_decoder_layers`` (optimum-intel's JSON format) that the
 export stage writes for every architecture.
 """
@@ -124,6 +127,25 @@ def target_for_runtime(model: ov.Model, target_layer_ids) -> ov.Model:
     model.add_results([result])
     model.validate_nodes_and_infer_types()
     return model
+
+
+def f16_weight_converts(model: ov.Model) -> list:
+    """The Convert nodes that turn an f16 constant (a compressed weight) into f32."""
+    return [op for op in model.get_ordered_ops()
+            if op.get_type_name() == "Convert" and op.get_output_element_type(0) == ov.Type.f32
+            and op.input_value(0).get_node().get_type_name() == "Constant"
+            and op.input_value(0).get_element_type() == ov.Type.f16]
+
+
+def with_f32_weights(model: ov.Model) -> tuple[ov.Model, int]:
+    """(a copy of model with every f16 weight stored as an f32 constant, how many). Same values; the
+    CPU plugin then runs plain f32 kernels instead of decompressing the f16 weights anew in every
+    call of more than a few rows (ovdflash.wide_target)."""
+    copy = model.clone()
+    converts = f16_weight_converts(copy)
+    for op in converts:
+        op.output(0).replace(ops.constant(op.input_value(0).get_node().get_data().astype(np.float32)).output(0))
+    return copy, len(converts)
 
 
 def _slice_rows(weight: ov.Output, rows: np.ndarray, axis: int) -> ov.Output:

@@ -124,7 +124,8 @@ class DFlashPipeline:
                         cache_dir: str | Path | None = None, use_draft_vocab: bool = True,
                         target_runner: str | None = None, prompt_lookup: bool = True,
                         precision: str | None = None, release_weight_pages: bool = True,
-                        prefix_cache: bool = True, **compile_options) -> "DFlashPipeline":
+                        prefix_cache: bool = True, wide_target: bool | None = None,
+                        **compile_options) -> "DFlashPipeline":
         from .runners import compile_runners  # openvino is only needed from here on
 
         if isinstance(model_dir, str) and not model_dir.strip():  # Path("") would quietly mean "."
@@ -137,7 +138,9 @@ class DFlashPipeline:
         config.setdefault("CACHE_DIR", str(cache_dir or DEFAULT_CACHE_DIR))
         target, drafter = compile_runners(model_dir, manifest, device, config, with_drafter=draft,
                                           use_draft_vocab=use_draft_vocab,
-                                          target_runner=target_runner)
+                                          target_runner=target_runner, wide_target=wide_target)
+        if getattr(target, "wide_request", None) is not None:
+            target.calibrate_wide()  # which call sizes the f32-weight copy runs, on this host
         tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
         pipe = cls(target, drafter, tokenizer, manifest["eos_token_ids"], manifest["block_size"],
                    manifest["mask_token_id"], model_dir, manifest.get("bos_token_id"),
@@ -164,10 +167,12 @@ class DFlashPipeline:
             if runner is not None:
                 runner.reset()
         self.prefix_store.invalidate()
-        if self.model_dir is None:
-            return 0
-        return release_mapped_files([self.model_dir / "target" / "openvino_model.bin",
-                                     self.model_dir / "drafter" / "openvino_model.bin"])
+        files = [self.model_dir / "target" / "openvino_model.bin",
+                 self.model_dir / "drafter" / "openvino_model.bin"] if self.model_dir is not None else []
+        wide_xml = getattr(self.target, "wide_xml", None)
+        if wide_xml is not None:
+            files.append(wide_xml.with_suffix(".bin"))
+        return release_mapped_files(files)
 
     # -- token level ---------------------------------------------------------------------------
     def generate_tokens(self, prompt_ids: Sequence[int], max_new_tokens: int = 256, temperature: float = 0.0,

@@ -32,12 +32,15 @@ Contract:
 """
 from __future__ import annotations
 
+import statistics
+import time
 from pathlib import Path
 
 import numpy as np
 import openvino as ov
 
 from . import graphs
+from . import wide_target as wide_weights
 from .manifest import DEFAULT_TARGET_RUNNER, DRAFT_VOCAB, DRAFTER_XML, TARGET_XML, parse_target_runner, runners_for
 
 # Drafter-only compile defaults. No dynamic quantization: the drafter's FullyConnected layers see
@@ -51,6 +54,15 @@ DRAFTER_DEFAULTS = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
 # a 1-token step 45 against 28 ms, a 4-token verify 55 against 43 ms, and 950 against 720 MB
 # resident; CACHE_MODE=OPTIMIZE_SIZE the same). int8 and fp32 targets keep the cache (same speed).
 FP16_UNCACHED = "fp16"
+
+# calls of this many tokens or more run on the paged target's f32-weight copy until calibrate_wide measures
+WIDE_FROM = 5
+
+
+def paged_cache_inputs(compiled: ov.CompiledModel) -> list:
+    """(name, element type, per-block shape) of every key_cache.* / value_cache.* input of a paged target."""
+    return [(i.get_any_name(), i.get_element_type(), [d.get_length() for d in i.get_partial_shape()[1:]])
+            for i in compiled.inputs if i.get_any_name().startswith(("key_cache.", "value_cache."))]
 
 
 def kv_seq_axes(model: ov.Model) -> dict[str, int]:
@@ -191,21 +203,33 @@ class OVPagedTarget(_LogitRows):
     at slots committed..committed+T-1 and attends to them and the committed ones (`past_lens`).
     Rollback is free and exact: `commit(k)` keeps k of them, and the next forward overwrites the
     rest, so there is no mask, no garbage and no compaction. The cache grows by doubling its
-    blocks (one copy of the used blocks each time)."""
+    blocks (one copy of the used blocks each time).
+
+    `wide` (optional): the same target compiled with f32 weights (`graphs.with_f32_weights`), for
+    calls of `wide_from` tokens or more. With f16 weights the CPU plugin decompresses every weight
+    again in each call of more than a few rows, so such calls cost twice a narrow one; the f32 copy
+    reads twice the bytes but computes many rows at once. Both requests share the cache tensors.
+    `calibrate_wide()` sets `wide_from` from timings on this host (or drops the copy)."""
 
     kind = "paged"  # one of ovdflash.TARGET_RUNNERS
     rewinds_exactly = True
 
-    def __init__(self, compiled: ov.CompiledModel, max_length: int, initial_blocks: int = 16):
+    def __init__(self, compiled: ov.CompiledModel, max_length: int, initial_blocks: int = 16,
+                 wide: ov.CompiledModel | None = None, wide_from: int = WIDE_FROM):
         self.compiled = compiled
         self.request = compiled.create_infer_request()
+        self.wide_compiled = wide
+        self.wide_request = wide.create_infer_request() if wide is not None else None
+        self.wide_from = wide_from
+        self.wide_xml: Path | None = None  # the copy's IR file, for ovdflash.memory
+        self.num_wide_calls = 0
+        self.last_request = self.request  # the request of the latest call: its outputs
         self.max_length = max_length
         names = {n for o in compiled.outputs for n in o.get_names()}
         # a graph scoring its next tokens itself (the feature pass's) has no logits output
         self.logits_out = compiled.output("logits") if "logits" in names else None
         self.hidden_out = compiled.output("target_hidden")
-        self.cache_inputs = [(i.get_any_name(), i.get_element_type(), [d.get_length() for d in i.get_partial_shape()[1:]])
-                             for i in compiled.inputs if i.get_any_name().startswith(("key_cache.", "value_cache."))]
+        self.cache_inputs = paged_cache_inputs(compiled)
         if not self.cache_inputs:
             raise ValueError("the paged-attention transformation left this target without key_cache.* inputs "
                              "(an attention pattern openvino does not convert): use target_runner='stateful'")
@@ -221,6 +245,8 @@ class OVPagedTarget(_LogitRows):
         self.num_blocks = 0
         self.num_cache_grows = 0
         self.num_compactions = 0  # engine.TargetRunner: never compacts
+        if wide is not None and paged_cache_inputs(wide) != self.cache_inputs:
+            raise ValueError("the wide target's KV cache inputs differ from the target's")
         self._grow(initial_blocks)
         self.reset()
 
@@ -231,9 +257,54 @@ class OVPagedTarget(_LogitRows):
             if old is not None:
                 tensor.data[: self.num_blocks] = old.data[: self.num_blocks]
             self.caches[name] = tensor
-            self.request.set_tensor(name, tensor)
+            for request in (self.request, self.wide_request):
+                if request is not None:
+                    request.set_tensor(name, tensor)
         self.num_blocks = num_blocks
         self.num_cache_grows += 1
+
+    def request_for(self, num_tokens: int) -> ov.InferRequest:
+        """The request a call of num_tokens tokens runs on (the wide one from `wide_from` tokens)."""
+        wide = self.wide_request is not None and num_tokens >= self.wide_from
+        self.num_wide_calls += wide
+        self.last_request = self.wide_request if wide else self.request
+        return self.last_request
+
+    def drop_wide(self) -> None:
+        """Forget the f32-weight copy (its memory goes with the last reference)."""
+        self.wide_compiled = self.wide_request = self.wide_xml = None
+        self.last_request = self.request
+
+    def calibrate_wide(self, sizes=(2, 4, 5, 6, 8, 12, 16, 32), repetitions: int = 3,
+                       context_tokens: int = 64) -> int | None:
+        """Time calls of each size on both requests (interleaved, medians, after a 64-token
+        context) and use the wide one from the smallest size at which it is faster at that size
+        and every larger one; drop it when it never is. Returns wide_from, or None."""
+        if self.wide_request is None:
+            return None
+        self.reset()
+        self.run(np.ones(context_tokens, dtype=np.int64), np.array([context_tokens - 1]))
+        self.commit(context_tokens)
+        times = {(size, wide): [] for size in sizes for wide in (False, True)}
+        kept = self.wide_from
+        for rep in range(repetitions + 1):  # the first repetition warms each shape up, untimed
+            for size in sizes:
+                for wide in (False, True):
+                    self.wide_from = size if wide else size + 1
+                    t0 = time.perf_counter()
+                    self.run(np.ones(size, dtype=np.int64), np.arange(size))
+                    if rep:
+                        times[size, wide].append(time.perf_counter() - t0)
+                    self.commit(1)
+        self.wide_from = kept
+        self.reset()
+        faster = [statistics.median(times[s, True]) < statistics.median(times[s, False]) for s in sizes]
+        start = next((i for i in range(len(sizes)) if all(faster[i:])), None)
+        if start is None:
+            self.drop_wide()
+            return None
+        self.wide_from = sizes[start]
+        return self.wide_from
 
     def reset(self) -> None:
         self.committed = 0  # tokens with KV in the cache, all of them valid
@@ -241,7 +312,8 @@ class OVPagedTarget(_LogitRows):
 
     def forward(self, token_ids: np.ndarray, all_logits: bool) -> tuple[np.ndarray, np.ndarray]:
         self.run(token_ids, self._logit_rows(len(token_ids), all_logits))
-        return self.request.get_tensor(self.logits_out).data[:, 0], self.request.get_tensor(self.hidden_out).data[:, 0]
+        out = self.last_request
+        return out.get_tensor("logits").data[:, 0], out.get_tensor("target_hidden").data[:, 0]
 
     def run(self, token_ids: np.ndarray, rows: np.ndarray) -> None:
         """The inference of `forward`, with logits (or the graph's own scores) for `rows`
@@ -256,7 +328,7 @@ class OVPagedTarget(_LogitRows):
         self.subsequence_begins[1] = num
         self.block_indices_begins[1] = blocks
         self.max_context_len[...] = end
-        run_request(self.request, {
+        run_request(self.request_for(num), {
             "input_ids": np.ascontiguousarray(token_ids, dtype=np.int64).reshape(num),
             "position_ids": self.positions[past:end],
             "past_lens": self.past_lens,
@@ -367,11 +439,13 @@ def runtime_target_graph(target_model: ov.Model, manifest: dict, target_runner: 
 
 def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", config: dict | None = None,
                     with_drafter: bool = True, core: ov.Core | None = None, use_draft_vocab: bool = True,
-                    target_runner: str = DEFAULT_TARGET_RUNNER,
+                    target_runner: str = DEFAULT_TARGET_RUNNER, wide_target: bool | None = None,
                     **target_options) -> tuple[OVTarget | OVPagedTarget, OVDrafter | None]:
     """Read, adapt and compile the pair. `config` goes to compile_model (CACHE_DIR included).
     `target_runner` (`TARGET_RUNNERS`): "stateful" (OVTarget) or "paged" (OVPagedTarget); "hybrid"
-    (ovdflash.hybrid.HybridTarget) exactly when the manifest names it (a linear-attention target)."""
+    (ovdflash.hybrid.HybridTarget) exactly when the manifest names it (a linear-attention target).
+    `wide_target` (None: auto): a paged target with f16 weights under f32 inference is compiled a
+    second time from f32 weights for its wide calls (`OVPagedTarget`'s `wide`, ovdflash.wide_target)."""
     target_runner = parse_target_runner(target_runner)
     if target_runner not in runners_for(manifest):
         raise ValueError(f"target runner {target_runner!r} does not fit this target "
@@ -401,7 +475,15 @@ def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", 
         runtime_target_graph(target_model, manifest, target_runner)
         compiled_target = core.compile_model(target_model, device, target_config)
         if target_runner == "paged":
-            target = OVPagedTarget(compiled_target, max_length, **target_options)
+            wide, wide_xml = None, None
+            if target_config.get("INFERENCE_PRECISION_HINT", "f32") in ("f32", "fp32") \
+                    and graphs.f16_weight_converts(target_model) \
+                    and wide_weights.wanted((model_dir / TARGET_XML).with_suffix(".bin"), wide_target):
+                wide_xml = wide_weights.f32_weights_ir(model_dir / TARGET_XML, (config or {}).get("CACHE_DIR"))
+                wide_model = runtime_target_graph(read_ir(core, wide_xml, "f32-weight target"), manifest, "paged")
+                wide = core.compile_model(wide_model, device, target_config)
+            target = OVPagedTarget(compiled_target, max_length, wide=wide, **target_options)
+            target.wide_xml = wide_xml
         else:
             target = OVTarget(compiled_target, max_length, seq_axes, **target_options)
     if with_drafter:

@@ -80,8 +80,10 @@ def run_progress(console):
               help="comma-separated numbers of concurrent requests, e.g. 1,2,4,8: benchmark batched DFlash "
                    "(modes batch-dflash, batch-ar, genai-cb, seq-dflash; block size default: the manifest's) "
                    "and write bench_concurrency.json instead")
+@click.option("--wide-target/--no-wide-target", default=None,
+              help="our modes: the f32-weight copy of an fp16 target for wide calls (default: where memory allows)")
 def bench(model_dir, prompt_sets, num_prompts, max_new_tokens, modes, block_sizes, repetitions, warmup,
-          out_dir, memory, config_json, target_runner, concurrency):
+          out_dir, memory, config_json, target_runner, concurrency, wide_target):
     """Benchmark DFlash against autoregressive baselines (greedy, interleaved runs, medians)."""
     from rich.console import Console
 
@@ -112,21 +114,21 @@ def bench(model_dir, prompt_sets, num_prompts, max_new_tokens, modes, block_size
                                 list(CONCURRENCY_MODES) if given("modes").name == "DEFAULT"
                                 else [m for m in modes.split(",") if m],
                                 None if given("block_sizes").name == "DEFAULT" else parse_block_sizes(block_sizes),
-                                repetitions, warmup, out_dir, config, target_runner, console, progress)
+                                repetitions, warmup, out_dir, config, target_runner, console, progress, wide_target)
         return
     with run_progress(status) as progress:
         result = run_benchmark(model_dir, sets, num_prompts, max_new_tokens, [m for m in modes.split(",") if m],
                                parse_block_sizes(block_sizes), repetitions, warmup, config,
-                               progress=progress, target_runner=target_runner)
+                               progress=progress, target_runner=target_runner, wide_target=wide_target)
     result["settings"] = dict(model_dir=str(model_dir), prompt_sets=sets, num_prompts=num_prompts,
                               max_new_tokens=max_new_tokens, block_sizes=parse_block_sizes(block_sizes),
                               repetitions=repetitions, warmup=warmup, config=config,
-                              target_runner=result.pop("target_runner"),
+                              target_runner=result.pop("target_runner"), wide_target=wide_target,
                               machine=f"{os.cpu_count()} CPUs", date=time.strftime("%Y-%m-%d %H:%M:%S"))
     result["host"] = collect()
     if memory:
         status.print("bench: measuring resident memory in fresh processes", markup=False, highlight=False)
-        result["memory"] = measure_memory(model_dir, config, target_runner)
+        result["memory"] = measure_memory(model_dir, config, target_runner, wide_target)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(result, indent=1))
     plot(result, out_dir / "bench.png")

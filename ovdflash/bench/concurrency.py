@@ -447,7 +447,7 @@ def _agreement(runs: list[BatchRun], names: list[str]) -> dict:
 def run_concurrency_bench(model_dir: Path, concurrency: list[int], prompt_sets: list[str], num_prompts: int,
                           max_new_tokens: int, modes: list[str], block_sizes: list[int | str] | None,
                           repetitions: int, warmup: int, config: dict, progress: Callable | None = None,
-                          target_runner: str | None = None) -> dict:
+                          target_runner: str | None = None, wide_target: bool | None = None) -> dict:
     """Loads the pipeline, prompts and genai's pipeline as `ovdflash bench` does, then `run_concurrency`.
     `block_sizes=None`: the manifest's default block size."""
     from ..manifest import load_manifest
@@ -456,11 +456,14 @@ def run_concurrency_bench(model_dir: Path, concurrency: list[int], prompt_sets: 
 
     manifest, notes = load_manifest(model_dir), []
     # every mode prefills every prompt whole, as genai-cb does with its prefix caching off
-    pipe = DFlashPipeline.from_pretrained(model_dir, target_runner=target_runner, prefix_cache=False, **config)
+    pipe = DFlashPipeline.from_pretrained(model_dir, target_runner=target_runner, prefix_cache=False,
+                                          wide_target=wide_target, **config)
     block_sizes = block_sizes or [pipe.default_block_size]
     prompts = {name: encode_prompts(pipe, name, num_prompts) for name in prompt_sets}
     if num_prompts < max(concurrency):
         notes.append(f"{num_prompts} prompts a set: batches above C={num_prompts} repeat prompts")
+    if getattr(pipe.target, "wide_request", None) is not None:
+        notes.append(f"our modes run target calls of {pipe.target.wide_from}+ tokens on the f32-weight copy")
     genai_cb = None
     try:
         import openvino_genai  # noqa: F401
@@ -544,7 +547,8 @@ def plot_concurrency(result: dict, path: Path):
 
 def concurrency_command(model_dir: Path, concurrency: list[int], prompt_sets: list[str], num_prompts: int,
                         max_new_tokens: int, modes: list[str], block_sizes, repetitions: int, warmup: int,
-                        out_dir: Path, config: dict, target_runner: str | None, console, progress) -> dict:
+                        out_dir: Path, config: dict, target_runner: str | None, console, progress,
+                        wide_target: bool | None = None) -> dict:
     """The CLI's --concurrency branch: run, write OUT/bench_concurrency.{json,png}, print the tables."""
     from ..env import collect
 
@@ -553,13 +557,14 @@ def concurrency_command(model_dir: Path, concurrency: list[int], prompt_sets: li
         raise click.ClickException(f"unknown concurrency mode {unknown[0]!r} (choose from {', '.join(CONCURRENCY_MODES)})")
     try:
         result = run_concurrency_bench(model_dir, concurrency, prompt_sets, num_prompts, max_new_tokens, modes,
-                                       block_sizes, repetitions, warmup, config, progress, target_runner)
+                                       block_sizes, repetitions, warmup, config, progress, target_runner,
+                                       wide_target)
     except ValueError as exc:  # e.g. a block size generate_batch refuses: one line
         raise click.ClickException(str(exc)) from None
     result["settings"] = dict(model_dir=str(model_dir), concurrency=concurrency, prompt_sets=prompt_sets,
                               num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                               block_sizes=result.pop("block_sizes"), repetitions=repetitions, warmup=warmup,
-                              config=config, target_runner=result.pop("target_runner"),
+                              config=config, target_runner=result.pop("target_runner"), wide_target=wide_target,
                               machine=f"{os.cpu_count()} CPUs", date=time.strftime("%Y-%m-%d %H:%M:%S"))
     result["host"] = collect()
     out_dir.mkdir(parents=True, exist_ok=True)

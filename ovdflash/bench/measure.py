@@ -84,7 +84,8 @@ def rss_mb() -> float:
     return float("nan")
 
 
-def measure_memory(model_dir: Path, config: dict | None = None, target_runner: str | None = None) -> dict:
+def measure_memory(model_dir: Path, config: dict | None = None, target_runner: str | None = None,
+                   wide_target: bool | None = None) -> dict:
     """Resident memory of a pipeline without / with its drafter (and with the full-vocabulary
     head when the drafter ships a draft vocabulary), each in a fresh process after one call.
 
@@ -94,7 +95,7 @@ def measure_memory(model_dir: Path, config: dict | None = None, target_runner: s
     code = ("import sys, json, ovdflash.bench.measure as m; from ovdflash import DFlashPipeline; "
             "draft = sys.argv[2] != 'none'; "
             "p = DFlashPipeline.from_pretrained(sys.argv[1], draft=draft, use_draft_vocab=sys.argv[2] == 'vocab', "
-            "target_runner=sys.argv[4] or None, **json.loads(sys.argv[3])); "
+            "target_runner=sys.argv[4] or None, wide_target=json.loads(sys.argv[5]), **json.loads(sys.argv[3])); "
             "list(p.generate_tokens(list(range(100, 164)), 16, draft=draft)); print(m.rss_mb())")
     variants = {"target_only_mb": "none", "with_drafter_mb": "vocab"}
     if (model_dir / "drafter" / "draft_vocab.json").exists():
@@ -102,7 +103,7 @@ def measure_memory(model_dir: Path, config: dict | None = None, target_runner: s
     out = {}
     for name, flag in variants.items():
         proc = subprocess.run([sys.executable, "-c", code, str(model_dir), flag, json.dumps(config or {}),
-                               target_runner or ""],
+                               target_runner or "", json.dumps(wide_target)],
                               capture_output=True, text=True)
         out[name] = float(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
     if out["target_only_mb"] and out["with_drafter_mb"]:
@@ -113,9 +114,9 @@ def measure_memory(model_dir: Path, config: dict | None = None, target_runner: s
 def run_benchmark(model_dir: Path, prompt_sets: list[str], num_prompts: int, max_new_tokens: int,
                   modes: list[str], block_sizes: list[int | str], repetitions: int, warmup: int,
                   config: dict, progress: Callable[[int, int, Run], None] | None = None,
-                  target_runner: str | None = None) -> dict:
+                  target_runner: str | None = None, wide_target: bool | None = None) -> dict:
     notes = []
-    built = build_runners(model_dir, modes, block_sizes, config, notes, target_runner)
+    built = build_runners(model_dir, modes, block_sizes, config, notes, target_runner, wide_target)
     pipe, runners = built["pipe"], built["runners"]
     prompts = {name: encode_prompts(pipe, name, num_prompts) for name in prompt_sets}
     names = list(runners)

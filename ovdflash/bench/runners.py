@@ -136,9 +136,9 @@ class GenaiRunner:
 
 
 def build_runners(model_dir: Path, modes: list[str], block_sizes: list[int | str], config: dict,
-                  notes: list[str], target_runner: str | None = None) -> dict:
+                  notes: list[str], target_runner: str | None = None, wide_target: bool | None = None) -> dict:
     manifest = load_manifest(model_dir)
-    pipe = DFlashPipeline.from_pretrained(model_dir, target_runner=target_runner, **config)
+    pipe = DFlashPipeline.from_pretrained(model_dir, target_runner=target_runner, wide_target=wide_target, **config)
     runners = {}
     for mode in modes:
         if mode in ("dflash", "dflash-nopl"):

@@ -72,6 +72,7 @@ class ServeOptions:
     max_num_seqs: int | None = None
     kv_cache_memory_bytes: str | int | None = None
     enable_prefix_caching: bool = True
+    wide_target: bool | None = None
     max_queue: int = 128
     max_model_len: int | None = None
     api_key: str | None = None
@@ -194,7 +195,7 @@ class OpenAIReplica:
         s, o = self.settings, self.settings.options
         pipe = load_pipeline(s.model_dir, o.device, o.no_draft, o.cache_dir, o.target_runner, o.prompt_lookup,
                              o.precision, with_thread_count(o.config, s.num_cpus), o.block_size,
-                             o.enable_prefix_caching)
+                             o.enable_prefix_caching, o.wide_target)
         self.threads = int(pipe.target.compiled.get_property(THREADS_PROPERTY))
         names = list(o.served_model_names) or [Path(pipe.model_dir).name]
         app = build_server_app(pipe, names, block_size=o.block_size, draft=False if o.no_draft else None,

@@ -1,0 +1,90 @@
+"""The paged target's f32-weight copy for wide calls: which targets get one, and its IR on disk.
+
+Contract:
+- Why: with f16 weights under f32 inference, the CPU plugin decompresses every weight again in
+  each call of more than a few rows, so a 5-row call costs about two 4-row ones; compiled from
+  f32 weights, the same target computes many rows at once for a little more than a narrow call.
+  `runners.OVPagedTarget` runs calls of `wide_from` tokens or more on the copy (docs/DESIGN.md).
+- `wanted(target_bin, choice)`: choice True/False decides; None (auto) builds the copy when its
+  f32 weights (twice the f16 file) take at most `AUTO_MEMORY_SHARE` of the memory available now.
+- `f32_weights_ir(target_xml, cache_dir)` -> the path of an IR equal to target_xml with every
+  f16 weight stored as f32 (`graphs.with_f32_weights`). It is written once per target file
+  (keyed by the files' size and mtime) under cache_dir/wide, by a child process, so the converting
+  process's memory never joins the caller's; the caller maps it like any IR, and its pages can be
+  released after the first calls (ovdflash.memory). cache_dir None: a directory removed at exit.
+- `python -m ovdflash.wide_target SRC_XML DST_XML` is that child.
+"""
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+AUTO_MEMORY_SHARE = 0.25
+
+
+def _available_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def wanted(target_bin: Path, choice: bool | None = None) -> bool:
+    if choice is not None:
+        return bool(choice)
+    available = _available_bytes()
+    return available is not None and 2 * target_bin.stat().st_size <= AUTO_MEMORY_SHARE * available
+
+
+def f32_weights_ir(target_xml: Path, cache_dir: str | Path | None = None) -> Path:
+    target_xml = Path(target_xml)
+    stamp = hashlib.sha256()
+    for path in (target_xml, target_xml.with_suffix(".bin")):
+        st = path.stat()
+        stamp.update(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns};".encode())
+    if cache_dir:
+        root = Path(cache_dir) / "wide"
+    else:
+        root = Path(tempfile.mkdtemp(prefix="ovdflash-wide-"))
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+    out = root / stamp.hexdigest()[:24] / "openvino_model.xml"
+    if out.is_file() and out.with_suffix(".bin").is_file():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".writing-", dir=root))
+    try:
+        done = subprocess.run([sys.executable, "-m", "ovdflash.wide_target", str(target_xml), str(work / out.name)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"{target_xml}: writing its f32-weight copy failed ({last[:200]})")
+        try:
+            os.replace(work, out.parent)
+        except OSError:  # another process wrote it first: use that one
+            if not out.is_file():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def _write(source_xml: str, out_xml: str) -> None:
+    import openvino as ov
+
+    from .graphs import with_f32_weights
+
+    model, _ = with_f32_weights(ov.Core().read_model(source_xml))
+    ov.save_model(model, out_xml, compress_to_fp16=False)
+
+
+if __name__ == "__main__":
+    _write(sys.argv[1], sys.argv[2])

@@ -1,0 +1,167 @@
+"""The paged target's f32-weight copy for wide calls (`OVPagedTarget(wide=...)`) on a tiny pair exported
+with fp16 target weights, under STRICT_F32: `graphs.with_f32_weights` stores the same values as f32;
+calls of `wide_from` tokens or more run on the copy, which shares the KV cache tensors with the
+narrow request (a sequence can move between them every call); greedy DFlash whose verifies run on
+the copy equals greedy AR on the narrow one, alone and in a batch; calibration keeps the copy for
+the sizes where it is faster or drops it; fp32 weights, bf16 inference or wide_target=False: no copy."""
+import numpy as np
+import openvino as ov
+import pytest
+
+from ovdflash import STRICT_F32, DFlashPipeline, graphs
+from ovdflash.batch_runners import DrafterPool, batch_target_for
+from ovdflash.manifest import load_manifest
+from ovdflash.precision import host_precisions
+from ovdflash.runners import OVPagedTarget, compile_runners
+from ovdflash.sampling import SamplingParams
+from ovdflash.scheduler import Scheduler
+
+CONFIG = {"INFERENCE_NUM_THREADS": 1, "CACHE_DIR": "", **STRICT_F32}
+
+
+@pytest.fixture(scope="module")
+def fp16_pair(export_tiny_pair):
+    return export_tiny_pair(target_weight_format="fp16")
+
+
+@pytest.fixture(scope="module")
+def runners(fp16_pair):
+    """(target with its wide copy used from 2 tokens, drafter), compiled without calibration."""
+    target, drafter = compile_runners(fp16_pair, load_manifest(fp16_pair), config=CONFIG)
+    assert isinstance(target, OVPagedTarget) and target.wide_request is not None
+    target.wide_from = 2  # every verify and prefill runs on the f32 copy, every AR step on the f16 target
+    return target, drafter
+
+
+def test_f32_weights_replace_every_converted_f16_constant_of_a_copy(fp16_pair):
+    model = ov.Core().read_model(fp16_pair / "target" / "openvino_model.xml")
+
+    def converted_f16(m):
+        return [op for op in m.get_ordered_ops() if op.get_type_name() == "Constant"
+                and op.get_output_element_type(0) == ov.Type.f16
+                and any(t.get_node().get_type_name() == "Convert" for t in op.output(0).get_target_inputs())]
+
+    before = len(converted_f16(model))
+    copy, replaced = graphs.with_f32_weights(model)
+    assert replaced == before > 0
+    assert converted_f16(copy) == [] and len(converted_f16(model)) == before  # the original is untouched
+    assert graphs.with_f32_weights(copy)[1] == 0
+
+
+def test_wide_calls_run_on_the_copy_and_share_the_cache(runners):
+    target, _ = runners
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(1, 500, 20)
+    target.reset()
+    target.forward(prompt, all_logits=False)
+    assert target.last_request is target.wide_request
+    target.commit(len(prompt))
+    step_logits, _ = target.forward(prompt[:1], all_logits=True)  # narrow, reading the KV the copy wrote
+    assert target.last_request is target.request
+    step = np.array(step_logits[0])
+    target.commit(1)
+    target.reset()
+    full, _ = target.forward(np.r_[prompt, prompt[:1]], all_logits=True)
+    np.testing.assert_allclose(step, full[-1], atol=1e-4)
+    target.commit(len(prompt) + 1)
+    for name, tensor in target.caches.items():
+        assert target.wide_request.get_tensor(name).data.ctypes.data == tensor.data.ctypes.data
+
+
+def test_greedy_dflash_on_the_copy_equals_ar(fp16_pair, runners):
+    from ovdflash.engine import generate
+
+    target, drafter = runners
+    rng = np.random.default_rng(1)
+    for _ in range(6):
+        prompt = rng.integers(1, 500, int(rng.integers(2, 40))).tolist()
+        ar = [e.token for e in generate(target, None, prompt, 32, SamplingParams(), (), 1)]
+        assert [e.token for e in generate(target, drafter, prompt, 32, SamplingParams(), (), 4)] == ar
+
+
+def test_a_batch_runs_wide_calls_on_the_copy(runners):
+    from ovdflash.engine import generate
+
+    target, drafter = runners
+    batch = batch_target_for(target, pool_blocks=64, prefix_caching=False)
+    assert batch.wide_request is not None and batch.wide_from == 2
+    scheduler = Scheduler(batch, DrafterPool(drafter), max_batch_size=4)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(1, 500, int(rng.integers(2, 30))).tolist() for _ in range(5)]
+    for i, p in enumerate(prompts):
+        scheduler.add(i, p, 16, SamplingParams(), (1, 4)[i % 2])
+    events = {}
+    while scheduler.has_work():
+        for rid, evs in scheduler.step():
+            events.setdefault(rid, []).extend(e.token for e in evs)
+    assert 0 < batch.num_wide_calls < scheduler.num_steps  # rounds of several tokens, and single AR steps
+    for i, p in enumerate(prompts):
+        assert events[i] == [e.token for e in generate(target, None, p, 16, SamplingParams(), (), 1)], i
+
+
+def test_calibration_keeps_the_copy_where_it_is_faster_or_drops_it(fp16_pair, tmp_path):
+    pipe = DFlashPipeline.from_pretrained(fp16_pair, cache_dir=tmp_path, INFERENCE_NUM_THREADS=1, **STRICT_F32)
+    target = pipe.target
+    if target.wide_request is None:  # the f16 target was as fast at every size on this host: dropped
+        assert target.wide_compiled is None and target.last_request is target.request
+    else:
+        assert target.wide_from in (2, 4, 5, 6, 8, 12, 16, 32)
+        assert target.calibrate_wide() in (None, 2, 4, 5, 6, 8, 12, 16, 32)
+    assert target.committed == 0
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(1, 500, 12).tolist()
+    ar = [e.token for e in pipe.generate_tokens(prompt, 24, draft=False, eos_token_ids=[])]
+    assert [e.token for e in pipe.generate_tokens(prompt, 24, block_size=4, eos_token_ids=[])] == ar
+
+
+def test_no_copy_for_fp32_weights_bf16_inference_or_when_turned_off(tiny_pair, fp16_pair):
+    target, _ = compile_runners(tiny_pair, load_manifest(tiny_pair), config=CONFIG, with_drafter=False)
+    assert target.wide_request is None and target.wide_compiled is None
+    target, _ = compile_runners(fp16_pair, load_manifest(fp16_pair), config=CONFIG, with_drafter=False,
+                                wide_target=False)
+    assert target.wide_request is None
+    target, _ = compile_runners(fp16_pair, load_manifest(fp16_pair), config={**CONFIG, "KV_CACHE_PRECISION": "f32"},
+                                with_drafter=False, target_runner="stateful")
+    assert not hasattr(target, "wide_request")
+    if "bf16" in host_precisions():  # bf16 inference converts the f16 weights once, at compile time
+        bf16 = {**CONFIG, "INFERENCE_PRECISION_HINT": "bf16", "KV_CACHE_PRECISION": "bf16"}
+        target, _ = compile_runners(fp16_pair, load_manifest(fp16_pair), config=bf16, with_drafter=False)
+        assert target.wide_request is None
+
+
+def test_the_f32_ir_is_written_once_per_target_file_and_its_pages_released(fp16_pair, tmp_path, monkeypatch):
+    from ovdflash import wide_target
+    from ovdflash.memory import mapped_resident_bytes
+
+    xml = fp16_pair / "target" / "openvino_model.xml"
+    first = wide_target.f32_weights_ir(xml, tmp_path)
+    assert first.is_file() and first.with_suffix(".bin").stat().st_size > xml.with_suffix(".bin").stat().st_size
+    stamp = first.with_suffix(".bin").stat().st_mtime_ns
+    assert wide_target.f32_weights_ir(xml, tmp_path) == first and first.with_suffix(".bin").stat().st_mtime_ns == stamp
+    assert [p.name for p in (tmp_path / "wide").iterdir()] == [first.parent.name]  # no work directory left
+
+    pipe = DFlashPipeline.from_pretrained(fp16_pair, cache_dir=tmp_path, INFERENCE_NUM_THREADS=1, wide_target=True,
+                                          **STRICT_F32)
+    if pipe.target.wide_xml is not None:  # kept by calibration: its file is mapped, and released after priming
+        assert pipe.target.wide_xml == first
+        assert mapped_resident_bytes([first.with_suffix(".bin")]) < first.with_suffix(".bin").stat().st_size // 2
+
+    broken = tmp_path / "broken.xml"
+    broken.write_text("<net>")
+    broken.with_suffix(".bin").write_bytes(b"")
+    with pytest.raises(RuntimeError, match="broken.xml: writing its f32-weight copy failed"):
+        wide_target.f32_weights_ir(broken, tmp_path)
+
+
+def test_auto_builds_the_copy_only_where_memory_allows(fp16_pair, monkeypatch):
+    from ovdflash import wide_target
+
+    bin_path = fp16_pair / "target" / "openvino_model.bin"
+    size = bin_path.stat().st_size
+    assert wide_target.wanted(bin_path, True) and not wide_target.wanted(bin_path, False)
+    monkeypatch.setattr(wide_target, "_available_bytes", lambda: int(8 * size / wide_target.AUTO_MEMORY_SHARE))
+    assert wide_target.wanted(bin_path)
+    monkeypatch.setattr(wide_target, "_available_bytes", lambda: int(size / wide_target.AUTO_MEMORY_SHARE))
+    assert not wide_target.wanted(bin_path)
+    monkeypatch.setattr(wide_target, "_available_bytes", lambda: None)
+    assert not wide_target.wanted(bin_path)
