@@ -2,9 +2,10 @@
 
 Contract:
 - `OVPagedBatchTarget(compiled, max_length, pool_blocks=None, prefix_caching=True)` implements
-  `scheduler.BatchTarget` on the compiled paged target (the one `OVPagedTarget` runs, through its own InferRequest). KV blocks of
-  every sequence come from ONE pool: `pool_blocks` blocks of `block_tokens` tokens (default: the
-  blocks of `DEFAULT_POOL_BYTES` of cache, at least one full-context sequence; `blocks_for_bytes`).
+  `scheduler.BatchTarget` on the compiled paged target (the one `OVPagedTarget` runs, through its
+  own InferRequest). KV blocks of every sequence come from ONE pool: `pool_blocks` blocks of
+  `block_tokens` tokens (default: the blocks of `DEFAULT_POOL_BYTES` of cache, at least one
+  full-context sequence; `blocks_for_bytes`).
   The host tensors start small and grow by doubling up to the limit (the used blocks are copied
   once per growth); freed blocks go on a free list and are reused.
 - `reserve(seq_id, num_tokens, prompt_ids=None)` books the blocks a sequence can ever write; False

@@ -6,7 +6,10 @@ Contract:
   compiles both models with CACHE_DIR set. `precision` ("f32", the default, or "bf16") and the
   compile options decide the numerics as `ovdflash.precision` says; `numerics` records them.
   `release_weight_pages` (default True) primes every kernel shape once and then drops the mapped IR
-  files' resident pages, which the plugin no longer reads once it has repacked the weights. No directory = the
+  files' resident pages, which the plugin no longer reads once it has repacked the weights.
+  `wide_target` (None: where memory allows): a paged target with fp16 weights under f32 inference
+  also gets an f32-weight copy for its calls of many tokens, timed at load (ovdflash.wide_target;
+  output unchanged: the same f32 arithmetic on the same weight values). No directory = the
   embedded default model (`ovdflash_models.default.ensure_default_model()`). `draft=False`
   compiles the target only (autoregressive baseline). `use_draft_vocab=False` ignores a
   shipped `drafter/draft_vocab.json` (full-vocabulary drafting head).

@@ -274,7 +274,8 @@ class Scheduler:
             seq.stats.record_round(len(drafts), num_accepted, from_lookup=seq.from_lookup)
             if seq.policy_state is not None and not seq.from_lookup:  # lookup hits say nothing of the drafter
                 self.draft_policy.observe(seq.policy_state, len(drafts), num_accepted)
-        self._commit(seq, np.concatenate(([seq.last], drafts[:num_accepted])), feats)  # rejected slots: overwritten next call
+        # rejected slots: overwritten next call
+        self._commit(seq, np.concatenate(([seq.last], drafts[:num_accepted])), feats)
         if seq.drafter is not None:  # the drafter's context stays complete: a copy, the view dies next call
             seq.ctx_feats = np.concatenate([seq.ctx_feats, feats[: num_accepted + 1]])
         seq.stats.verify_s += call_s
