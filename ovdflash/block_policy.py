@@ -305,7 +305,8 @@ class BatchDraftPolicy:
     with `probe_drafts` drafts (the wait doubles up to `max_explore_every`, reset when drafting
     is chosen), so its estimate does not freeze. `observe_call(tokens, seconds)` learns the cost
     curve in use, as BlockPolicy.observe_round does (a drift of every cost, draft costs too, then
-    the point).
+    the point). `free_tokens(T)`: how many more tokens a call of T can carry at (nearly) no cost;
+    the scheduler fills it with n-gram lookup drafts, which cost no drafter call.
     Output is unchanged by any choice: only how many tokens are verified."""
 
     def __init__(self, call_tokens: Sequence[int], call_cost_s: Sequence[float], draft_cost_s: Sequence[float],
@@ -331,6 +332,14 @@ class BatchDraftPolicy:
         num_tokens = np.asarray(num_tokens, dtype=np.float64)
         inside = np.interp(num_tokens, tokens, costs)
         return np.where(num_tokens > tokens[-1], costs[-1] + slope * (num_tokens - tokens[-1]), inside)
+
+    def free_tokens(self, num_tokens: int, tolerance: float = 0.03) -> int:
+        """How many tokens a call of num_tokens can take on for at most `tolerance` more time (the
+        flat, memory-bound stretch of the curve)."""
+        base = float(self.call_cost(num_tokens)) * (1 + tolerance)
+        extra = np.arange(1, self.max_drafts * 8 + 1)
+        fits = self.call_cost(num_tokens + extra) <= base
+        return int(extra[fits].max()) if fits.any() and fits[0] else 0
 
     def new_sequence(self) -> dict:
         _, strength, decay = self.prior  # its prior: the first-draft acceptance of every sequence so far

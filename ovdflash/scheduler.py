@@ -30,7 +30,9 @@ Contract:
 - Drafts per round: a sequence with a fixed block verifies block_size - 1 drafts (fewer near its
   limits); a `load_aware` one gets the drafts `draft_policy` (block_policy.BatchDraftPolicy; set
   it before adding such a request) chooses for the whole batch each round, 0..block_size - 1, from
-  the batch's cost curve and each sequence's acceptance. Either way output is unchanged.
+  the batch's cost curve and each sequence's acceptance; a sequence it holds at AR still verifies
+  its n-gram lookup drafts where the call has free room (`free_tokens`). Either way output is
+  unchanged.
 - `abort(request_id)` drops a waiting or running request (True if it was there); `has_work()`.
 - Timing stats: the shared target call is counted in full in every sequence's verify_s.
 """
@@ -232,7 +234,15 @@ class Scheduler:
                     for s in seqs if s.policy_state is None or not s.prefilled)
         caps = [self._block_room(s) - 1 for s in aware]
         ks = self.draft_policy.choose([s.policy_state for s in aware], caps, fixed)
-        return {s.request_id: k for s, k in zip(aware, ks)}
+        chosen = {s.request_id: k for s, k in zip(aware, ks)}
+        # lookup drafts cost no drafter call: where the call has free room, a sequence held at AR verifies them
+        free = self.draft_policy.free_tokens(fixed + sum(k + 1 for k in ks))
+        for s, k, cap in zip(aware, ks, caps):
+            proposal = s.lookup.propose(min(cap, free)) if k == 0 and s.lookup is not None else None
+            if proposal is not None and len(proposal):
+                chosen[s.request_id] = len(proposal)
+                free -= len(proposal)
+        return chosen
 
     def _choose_drafts(self, seq: _Sequence, num_drafts: int | None = None) -> None:
         """Drafts to verify this round: lookup's, the drafter's, or none (an AR step); at most

@@ -219,3 +219,43 @@ def test_sampling_inside_a_batch_matches_the_exact_ar_distribution(load_aware):
     assert max(target.batch_sizes) == 8
     drafted = sum(1 for evs in events.values() for e in evs if e.from_draft)
     assert drafted > n // 2  # drafts were accepted, so the acceptance path ran
+
+
+def test_load_aware_sequences_held_at_ar_verify_lookup_drafts_in_free_room():
+    """A drafter whose drafts are always wrong keeps every load-aware sequence at AR steps; where the
+    call's cost is flat, the text's repeats still get their n-gram lookup drafts verified (no
+    drafter call), on a steep curve much less, and every sequence equals its AR run alone."""
+    from ovdflash.block_policy import BatchDraftPolicy
+
+    def cycle(seq):  # the target repeats the token 3 back, with a nudge so that cycles can break
+        logits = np.zeros(VOCAB, dtype=np.float32)
+        logits[seq[-3] if len(seq) >= 3 else 0] = 5.0
+        logits[(sum(seq) * 7) % VOCAB] += 4.0
+        return logits
+
+    def make_target():
+        return MockTarget(vocab_size=VOCAB, max_length=4096, logits_fn=cycle)
+
+    def run(call_s):
+        target = MockBatchTarget(make_target=make_target)
+        # the drafter is known to be useless: every sequence starts (and stays) at AR steps
+        policy = BatchDraftPolicy(list(range(1, 65)), call_s, [0.0] + [0.002] * 7, prior_acceptance=0.01,
+                                  prior_strength=100.0)
+        scheduler = Scheduler(target, MockDrafterSource(target, error_rate=1.0), max_batch_size=4,
+                              draft_policy=policy)
+        prompts = [[3, 4, 5, 6] * 6, [7, 8, 9] * 8, [1, 2] * 10, [5, 9, 5, 9, 5]]
+        stats = [scheduler.add(i, p, 30, SamplingParams(), 8, True, (), load_aware=True)
+                 for i, p in enumerate(prompts)]
+        events = drain(scheduler)
+        for i, p in enumerate(prompts):
+            want = generate(make_target(), None, p, 30, SamplingParams(), (), 1)
+            assert [e.token for e in events[i]] == [e.token for e in want], i
+        return stats
+
+    flat = run([0.020] * 32 + [0.020 + 0.003 * t for t in range(1, 33)])
+    # probes alone (every 16, 32, ... AR rounds) verify a few: 4 lookup rounds, 8 tokens accepted
+    assert sum(s.num_accepted_tokens for s in flat) > 40 and sum(s.num_lookup_drafts for s in flat) > 12
+    steep = run([0.020 + 0.01 * t for t in range(64)])  # every extra token costs half an AR step
+    assert sum(s.num_lookup_drafts for s in steep) < sum(s.num_lookup_drafts for s in flat) / 2
+    policy = BatchDraftPolicy([1, 4, 8], [0.02, 0.02, 0.04], [0.0, 0.001])
+    assert policy.free_tokens(1) == 3 and policy.free_tokens(4) == 0 and policy.free_tokens(2) == 2
