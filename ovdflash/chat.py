@@ -61,6 +61,14 @@ def _sigint_to_main_thread_only():
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
+# `--wide-target` of chat and serve (runners.OVPagedTarget's f32-weight copy)
+WIDE_TARGET_OPTION = click.option(
+    "--wide-target/--no-wide-target", default=None,
+    help="A second copy of an fp16-weight target with f32 weights for calls of many tokens (wide verifies, "
+         "batches, prefills): faster, at twice the target's weight size in memory. Default: when that fits a "
+         "quarter of the available memory.")
+
+
 @click.command()
 @click.argument("model_dir", required=False, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--prompt", "-p", help="Answer this one message and exit (non-interactive).")
@@ -91,10 +99,7 @@ def _sigint_to_main_thread_only():
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None,
               help="Target numerics: f32 (the default; greedy DFlash equals AR) or bf16 (faster verifies on CPUs "
                    "with BF16/AMX; greedy replies can part from AR at near-ties: docs/BENCHMARKS.md).")
-@click.option("--wide-target/--no-wide-target", default=None,
-              help="A second copy of an fp16-weight target with f32 weights for calls of many tokens (wide "
-                   "verifies, batches, prefills): faster, at twice the target's weight size in memory. "
-                   "Default: when that fits a quarter of the available memory.")
+@WIDE_TARGET_OPTION
 def chat(model_dir, prompt, system, temperature, top_p, top_k, max_new_tokens, block_size, no_draft, prompt_lookup,
          prefix_cache, seed, device, cache_dir, config, target_runner, precision, wide_target):
     """Chat with MODEL_DIR (default: SmolLM2-135M + shipped drafter)."""

@@ -27,7 +27,7 @@ from pathlib import Path
 import click
 
 from . import TARGET_RUNNERS
-from .chat import _parse_block_size, _sigint_to_main_thread_only, parse_config_options
+from .chat import WIDE_TARGET_OPTION, _parse_block_size, _sigint_to_main_thread_only, parse_config_options
 from .precision import PRECISIONS
 
 
@@ -165,10 +165,7 @@ def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_
               help="How the target's attention runs (paged or stateful). Default: the model directory's choice.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None,
               help="Target numerics: f32 (the default) or bf16 (on CPUs with BF16/AMX).")
-@click.option("--wide-target/--no-wide-target", default=None,
-              help="A second copy of an fp16-weight target with f32 weights for calls of many tokens (wide "
-                   "verifies, batches, prefills): faster, at twice the target's weight size in memory. "
-                   "Default: when that fits a quarter of the available memory.")
+@WIDE_TARGET_OPTION
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 @click.option("--replicas", type=click.IntRange(1), default=None,
