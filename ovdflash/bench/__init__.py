@@ -23,7 +23,7 @@ Contract:
   properties and the same EOS ids. Runs are interleaved: for each repetition, for each prompt,
   every mode once, in an order rotated per repetition, so drift in machine load hits all modes
   alike. Medians of per-run tokens/s are reported (the machines are noisy). Every run computes
-  its prompt's prefill: genai's prefix caching is off in every genai mode.
+  its prompt's prefill: prefix caching is off in every mode, genai's and ours.
 - Output: a rich table per prompt set (baseline tok/s, DFlash tok/s, speedup, acceptance length,
   cost reduction per token), vLLM-style counters, draft vs verify time, TTFT, TPOT; written as
   JSON (`bench.json`) and a PNG (`bench.png`: per-position acceptance, speedup vs block size with

@@ -4,8 +4,8 @@
 Contract: `OursRunner` = this pipeline (`block_size=None`: autoregressive; "auto": block_policy);
 `OracleRunner` = this pipeline with `PerfectDrafter` (the real drafter's cost, the known greedy
 continuation as its drafts); `GenaiRunner` = openvino.genai's LLMPipeline (ar, dflash, prompt
-lookup) with prefix caching off. Our runners' stats are a `GenerationStats`, genai's a dict of
-round counters. `build_runners(model_dir, modes, block_sizes, config, notes, target_runner)`
+lookup) with prefix caching off, as ours (`prefix_cache=False`). Our runners' stats are a
+`GenerationStats`, genai's a dict of round counters. `build_runners(model_dir, modes, block_sizes, config, notes, target_runner)`
 -> {"pipe", "runners": {mode name: runner}}; a mode that cannot run here is skipped with a
 line appended to `notes`, an unknown mode is a one-line ClickException.
 """
@@ -138,7 +138,9 @@ class GenaiRunner:
 def build_runners(model_dir: Path, modes: list[str], block_sizes: list[int | str], config: dict,
                   notes: list[str], target_runner: str | None = None, wide_target: bool | None = None) -> dict:
     manifest = load_manifest(model_dir)
-    pipe = DFlashPipeline.from_pretrained(model_dir, target_runner=target_runner, wide_target=wide_target, **config)
+    # every run prefills its prompt whole, as genai's modes do with their prefix caching off
+    pipe = DFlashPipeline.from_pretrained(model_dir, target_runner=target_runner, wide_target=wide_target,
+                                          prefix_cache=False, **config)
     runners = {}
     for mode in modes:
         if mode in ("dflash", "dflash-nopl"):
