@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import openvino as ov
 
-from .runners import WIDE_FROM, OVDrafter, OVPagedTarget, paged_cache_inputs, run_request
+from .runners import WIDE_FROM, OVDrafter, OVPagedTarget, paged_cache_inputs, run_request, wide_request_of
 
 # KV cache the pool may hold by default, across all sequences
 DEFAULT_POOL_BYTES = 1 << 30
@@ -116,13 +116,11 @@ class OVPagedBatchTarget:
                  wide_from: int = WIDE_FROM):
         self.compiled = compiled
         self.request = compiled.create_infer_request()
-        self.wide_request = wide.create_infer_request() if wide is not None else None  # as OVPagedTarget's
-        self.wide_from = wide_from
-        self.num_wide_calls = 0
         self.max_length = max_length
         self.cache_inputs = cache_inputs_of(compiled)
-        if wide is not None and paged_cache_inputs(wide) != self.cache_inputs:
-            raise ValueError("the wide target's KV cache inputs differ from the target's")
+        self.wide_request = wide_request_of(wide, self.cache_inputs)  # as OVPagedTarget's
+        self.wide_from = wide_from
+        self.num_wide_calls = 0
         self.block_tokens = block_tokens_of(self.cache_inputs)
         self.caches_prefixes = bool(prefix_caching)
         blocks_per_sequence = -(-max_length // self.block_tokens)
@@ -163,10 +161,6 @@ class OVPagedBatchTarget:
     def free_blocks(self) -> int:
         """Blocks a new booking may take (cached blocks nobody holds count: they are evicted on demand)."""
         return self.pool_blocks - self.num_reserved
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self.cached)
 
     def _grow(self, num_blocks: int) -> None:
         allocated = self.num_blocks

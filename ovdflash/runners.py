@@ -65,6 +65,15 @@ def paged_cache_inputs(compiled: ov.CompiledModel) -> list:
             for i in compiled.inputs if i.get_any_name().startswith(("key_cache.", "value_cache."))]
 
 
+def wide_request_of(wide: ov.CompiledModel | None, cache_inputs: list) -> ov.InferRequest | None:
+    """An InferRequest of a paged target's f32-weight copy, which must take the same KV cache inputs."""
+    if wide is None:
+        return None
+    if paged_cache_inputs(wide) != cache_inputs:
+        raise ValueError("the wide target's KV cache inputs differ from the target's")
+    return wide.create_infer_request()
+
+
 def kv_seq_axes(model: ov.Model) -> dict[str, int]:
     """Variable id -> sequence axis of its state (the dynamic axis that is not the beam axis 0)."""
     axes = {}
@@ -219,7 +228,6 @@ class OVPagedTarget(_LogitRows):
         self.compiled = compiled
         self.request = compiled.create_infer_request()
         self.wide_compiled = wide
-        self.wide_request = wide.create_infer_request() if wide is not None else None
         self.wide_from = wide_from
         self.wide_xml: Path | None = None  # the copy's IR file, for ovdflash.memory
         self.num_wide_calls = 0
@@ -245,8 +253,7 @@ class OVPagedTarget(_LogitRows):
         self.num_blocks = 0
         self.num_cache_grows = 0
         self.num_compactions = 0  # engine.TargetRunner: never compacts
-        if wide is not None and paged_cache_inputs(wide) != self.cache_inputs:
-            raise ValueError("the wide target's KV cache inputs differ from the target's")
+        self.wide_request = wide_request_of(wide, self.cache_inputs)
         self._grow(initial_blocks)
         self.reset()
 
