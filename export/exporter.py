@@ -13,21 +13,27 @@ The pair is validated from the configs (and the drafter's ``fc`` weight shape) B
 conversion: a mismatch raises ``PairMismatchError`` (a ``ValueError``) with a one-line
 message and nothing is written. The directory is assembled in a temporary sibling and
 renamed into place at the end, so a failed export leaves no half-written ``out_dir``.
+A hub id is resolved first (`hub`); a pair of optimum-intel IRs goes to `optimum_import`. The
+pieces of the directory both paths write (tokenizer, EOS/BOS, manifest) are `model_dir`'s, the
+errors `errors`' (`ExportError` and `PairMismatchError` are importable from here too).
 """
 from __future__ import annotations
 
-import datetime as _dt
-import hashlib
 import json
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .compress import WEIGHT_FORMATS
+from ovdflash.manifest import DRAFT_VOCAB_FILE, MANIFEST_FILE
 
-from ovdflash.manifest import DRAFT_VOCAB_FILE, FORMAT, MANIFEST_FILE, checksum_files, parse_default_block_size
+from .compress import WEIGHT_FORMATS
+from .errors import ExportError, PairMismatchError
+from .hub import resolve_pair  # a hub id becomes its cached snapshot; a local path stays as it is
+from .model_dir import (PairInfo, _eos_bos, _source_eos_ids, check_compile_options, check_default_block_size,
+                        copy_tokenizer, move_into_place, pair_manifest, source_record, write_ov_tokenizer)
+from .optimum_import import import_openvino_pair, openvino_pair, validate_openvino_pair
+from .target_config import SUPPORTED_ARCHS, load_target_config
 
 
 def _read_draft_vocab(drafter_dir: Path):
@@ -39,27 +45,7 @@ def _read_draft_vocab(drafter_dir: Path):
         raise PairMismatchError(str(exc)) from exc
 
 
-class ExportError(ValueError):
-    """An export input problem the CLI reports as one line (exit code 2)."""
-
-
-class PairMismatchError(ExportError):
-    """Target and drafter do not fit together."""
-
-
-@dataclass
-class PairInfo:
-    target_config: dict
-    drafter_config: object  # DrafterConfig
-    arch: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-
-
 def _target_config(target: Path) -> dict:
-    from .target import load_target_config
-
     if target.suffix == ".gguf":
         if not target.is_file():
             raise ExportError(f"target GGUF file not found: {target}")
@@ -91,10 +77,6 @@ def _drafter_fc_shape(drafter: Path):
 def validate_pair(target, drafter, block_size: int | None = None) -> PairInfo:
     """Check that the drafter fits the target; raise PairMismatchError (one line) if not."""
     from .drafter import DrafterConfig
-    from .target import SUPPORTED_ARCHS
-
-    from .hub import resolve_pair  # a hub id becomes its cached snapshot; a local path stays as it is
-    from .optimum_import import openvino_pair, validate_openvino_pair
 
     target, drafter = resolve_pair(target, drafter)
     if openvino_pair(target, drafter):  # both exported by optimum-intel already: checked on their IRs
@@ -141,205 +123,6 @@ def validate_pair(target, drafter, block_size: int | None = None) -> PairInfo:
     return PairInfo(tcfg, dcfg, arch, vocab, hidden, layers)
 
 
-def _source_eos_ids(target: Path, tcfg: dict) -> list[int] | None:
-    """The EOS ids the export will write, where the source tells them before any conversion
-    (None: a GGUF whose tokenizer transformers converts, or a directory without tokenizer.json)."""
-    if target.suffix == ".gguf":
-        from .gguf_tokenizer import gguf_eos_token_ids, read_gguf_tokenizer_metadata
-        try:
-            return gguf_eos_token_ids(read_gguf_tokenizer_metadata(target))
-        except ValueError:
-            return None
-    if not (target / "tokenizer.json").is_file():
-        return None
-    return _eos_bos(target, tcfg, _tokenizer_config(target), json.loads((target / "tokenizer.json").read_text()))[0]
-
-
-def _sha256_files(paths) -> str:
-    h = hashlib.sha256()
-    for p in sorted(paths, key=lambda p: p.name):
-        fh = hashlib.sha256()
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                fh.update(chunk)
-        h.update(f"{p.name}:{fh.hexdigest()}\n".encode())
-    return h.hexdigest()
-
-
-def source_record(source: Path, weight_format, **extra) -> dict:
-    """A manifest's record of one exported model's source: its weight format, path and digest."""
-    return {"weight_format": weight_format, "source": str(source.resolve()), "source_sha256": source_sha256(source),
-            **extra}
-
-
-def source_sha256(source: Path) -> str:
-    """sha256 over the source's config and weight files (a single digest for a directory)."""
-    if source.is_file():
-        return _sha256_files([source])
-    files = [p for p in source.iterdir() if p.is_file() and (
-        p.name == "config.json" or p.suffix in (".safetensors", ".bin", ".gguf", ".pt", ".pth"))]
-    return _sha256_files(files)
-
-
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for pkg in ("ovdflash", "openvino", "torch", "transformers", "optimum-intel", "optimum", "nncf", "tokenizers"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            pass
-    return out
-
-
-def _token_id(tokenizer_json: dict, token) -> int | None:
-    if token is None:
-        return None
-    if isinstance(token, dict):
-        token = token.get("content")
-    for added in tokenizer_json.get("added_tokens", []):
-        if added["content"] == token:
-            return int(added["id"])
-    return tokenizer_json.get("model", {}).get("vocab", {}).get(token)
-
-
-def _tokenizer_config(src: Path) -> dict:
-    path = src / "tokenizer_config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def copy_tokenizer(src: Path, dst: Path) -> dict:
-    """Copy tokenizer.json, tokenizer_config.json (with chat_template) and chat_template.jinja."""
-    tok_json = src / "tokenizer.json"
-    if not tok_json.is_file():
-        raise ExportError(f"target has no tokenizer.json (a HF fast tokenizer is required): {src}")
-    shutil.copyfile(tok_json, dst / "tokenizer.json")
-    tok_cfg = _tokenizer_config(src)
-    template = tok_cfg.get("chat_template")
-    if (src / "chat_template.jinja").is_file():
-        template = (src / "chat_template.jinja").read_text()
-    if isinstance(template, list):  # named templates: keep the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
-    if template is None:
-        raise ExportError(f"target tokenizer has no chat template: {src}")
-    tok_cfg["chat_template"] = template
-    (dst / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
-    (dst / "chat_template.jinja").write_text(template)
-    return tok_cfg
-
-
-def write_ov_tokenizer(tokenizer_dir: Path, dst: Path) -> str | None:
-    """openvino_tokenizer.xml / openvino_detokenizer.xml for openvino.genai (its LLMPipeline reads
-    them from the model directory to take text prompts); built from the tokenizer files just
-    written (so a rebuilt GGUF tokenizer is the one converted). Returns why not, or None."""
-    try:
-        import openvino as ov
-        from openvino_tokenizers import convert_tokenizer
-        from transformers import AutoTokenizer
-
-        tok, detok = convert_tokenizer(AutoTokenizer.from_pretrained(str(tokenizer_dir)), with_detokenizer=True)
-        ov.save_model(tok, str(dst / "openvino_tokenizer.xml"))
-        ov.save_model(detok, str(dst / "openvino_detokenizer.xml"))
-        return None
-    except Exception as exc:  # optional: only genai needs it
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-
-
-def _eos_bos(target_dir: Path, tcfg: dict, tok_cfg: dict, tokenizer_json: dict):
-    eos: list[int] = []
-
-    def add(v):
-        for x in (v if isinstance(v, list) else [v]):
-            if x is not None and int(x) not in eos:
-                eos.append(int(x))
-
-    gen_path = target_dir / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-    add(_token_id(tokenizer_json, tok_cfg.get("eos_token")))
-    add(gen.get("eos_token_id"))
-    add(tcfg.get("eos_token_id"))
-    bos = gen.get("bos_token_id", tcfg.get("bos_token_id"))
-    if tok_cfg.get("bos_token", "absent") is None or tok_cfg.get("add_bos_token") is False:
-        bos = None  # the tokenizer adds no BOS (SmolLM2, Qwen): the runtime must not prepend one
-    return eos, (int(bos) if bos is not None else None)
-
-
-def _hybrid_keys(info: PairInfo) -> dict:
-    """A linear-attention target runs on the hybrid runner only; its layout goes to the manifest."""
-    from .target import HYBRID_ARCHS
-
-    if info.arch not in HYBRID_ARCHS:
-        return {}
-    from .qwen3_5 import hybrid_geometry
-
-    return {"target_runner": "hybrid", "hybrid": hybrid_geometry(info.target_config)}
-
-
-def check_default_block_size(value, block_size: int) -> int | str:
-    """The runtime's rule (`ovdflash.manifest.parse_default_block_size`), as an ExportError."""
-    try:
-        return parse_default_block_size(value, block_size)
-    except ValueError as exc:
-        raise ExportError(str(exc)) from None
-
-
-def check_compile_options(options: dict | None) -> dict:
-    """Compile options for the manifest: string keys and values; a precision hint the runtime knows."""
-    from ovdflash.precision import resolve
-
-    options = {str(k): str(v) for k, v in (options or {}).items()}
-    try:  # the precision pair must be one the runtime can compile on some CPU
-        resolve(options, None, "stateful", ("f32", "bf16", "f16"))
-    except ValueError as exc:
-        raise ExportError(str(exc)) from None
-    return options
-
-
-def pair_manifest(info: PairInfo, block_size: int, default_block_size, eos: list[int], bos: int | None,
-                  target_entry: dict, drafter_entry: dict, draft_vocab_size: int | None,
-                  compile_options: dict) -> dict:
-    """The manifest of a pair (docs/DESIGN.md); `*_entry` add weight_format, source and the like."""
-    from .drafter import SHORT_BLOCKS_KEY
-
-    dcfg = info.drafter_config
-    if not eos:
-        raise ExportError("the target defines no eos token")
-    if dcfg.mask_token_id in eos:
-        raise PairMismatchError(f"mask_token_id {dcfg.mask_token_id} is an eos token of the target")
-    return {
-        "format": FORMAT,
-        "block_size": block_size,
-        "default_block_size": default_block_size,
-        # drafters trained on short blocks too draft k + 1 tokens; others the whole block
-        "draft_pass": "exact" if float(dcfg.extra.get(SHORT_BLOCKS_KEY, 0) or 0) > 0 else "full_block",
-        "target_layer_ids": list(dcfg.target_layer_ids),
-        "mask_token_id": dcfg.mask_token_id,
-        "eos_token_ids": eos,
-        "bos_token_id": bos,
-        "vocab_size": info.vocab_size,
-        "max_position_embeddings": int(info.target_config["max_position_embeddings"]),
-        "target": {"arch": info.arch, "num_layers": info.num_layers, "hidden_size": info.hidden_size,
-                   **target_entry},
-        **_hybrid_keys(info),
-        "drafter": {"num_layers": dcfg.num_hidden_layers, "hidden_size": dcfg.hidden_size, **drafter_entry},
-        "draft_vocab_size": draft_vocab_size,
-        **({"compile_options": compile_options} if compile_options else {}),
-        "versions": _versions(),
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-def move_into_place(work: Path, out_dir: Path, manifest: dict) -> None:
-    """Record the IR checksums, write the manifest and rename the finished `work` to `out_dir`."""
-    manifest["files"] = checksum_files(work)  # `ovdflash verify` and the default model check them
-    (work / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)  # a previous ovdflash export (checked before the export began)
-    work.chmod(0o755)  # mkdtemp makes it private
-    work.rename(out_dir)
-
-
 def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", drafter_weight_format: str = "fp32",
                 block_size: int | None = None, progress: Callable[[str], None] | None = None,
                 default_block_size: int | str = "auto", compile_options: dict | None = None) -> Path:
@@ -354,9 +137,6 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
             raise ExportError(f"{name} weight format must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / MANIFEST_FILE).is_file():
         raise ExportError(f"output directory exists and is not an ovdflash export: {out_dir}")
-
-    from .hub import resolve_pair
-    from .optimum_import import import_openvino_pair, openvino_pair
 
     target, drafter = resolve_pair(target, drafter)
     if openvino_pair(target, drafter):  # both exported by optimum-intel already: their IRs are kept

@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .exporter import ExportError
+from .errors import ExportError
 
 ALLOW_PATTERNS = (
     "config.json", "generation_config.json",

@@ -30,9 +30,10 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from .exporter import (ExportError, PairInfo, PairMismatchError, _eos_bos, _source_eos_ids, check_compile_options,
-                       check_default_block_size, copy_tokenizer, move_into_place, pair_manifest, source_record,
-                       write_ov_tokenizer)
+from .errors import ExportError, PairMismatchError
+from .model_dir import (PairInfo, _eos_bos, _source_eos_ids, check_compile_options, check_default_block_size,
+                        copy_tokenizer, move_into_place, pair_manifest, source_record, write_ov_tokenizer)
+from .target_config import HYBRID_ARCHS, SUPPORTED_ARCHS, load_target_config
 
 IR_NAME = "openvino_model.xml"
 OV_TOKENIZER_FILES = ("openvino_tokenizer.xml", "openvino_tokenizer.bin",
@@ -91,7 +92,6 @@ def _last_dim(model, name: str, role: str) -> int:
 def validate_openvino_pair(target, drafter, block_size: int | None = None) -> PairInfo:
     """The pair checks of `validate_pair` on an optimum-intel target and DFlash drafter export."""
     from .drafter import DrafterConfig
-    from .target import HYBRID_ARCHS, SUPPORTED_ARCHS, load_target_config
 
     target, drafter = Path(target), Path(drafter)
     if not (target / "config.json").is_file():

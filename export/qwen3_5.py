@@ -2,8 +2,8 @@
 
 Contract (the IR's ports: `ovdflash.hybrid`; docs/DESIGN.md, "Hybrid targets"):
 
-* `HYBRID_ARCHS`: the model types exported here: `qwen3_5_text`, and `qwen3_5` (the checkpoint
-  layout whose text model sits under a wrapper, `text_config` in config.json).
+* The model types exported here are `target_config.HYBRID_ARCHS`: `qwen3_5_text`, and `qwen3_5` (the
+  checkpoint layout whose text model sits under a wrapper, `text_config` in config.json).
 * `load_text_model(hf_dir)` -> (Qwen3_5ForCausalLM in f32, its text config): for `qwen3_5` the text
   weights (`model.language_model.*`, `lm_head.*`) are loaded into a text-only model; vision weights
   are ignored.
@@ -34,7 +34,8 @@ from ovdflash.graphs import LOCATOR_KEY, find_lm_head
 from ovdflash.hybrid import (CONV_STATE, CONV_WINDOW, LOOP_INPUTS, RECURRENT_OUT, RECURRENT_STATE,
                              gated_delta_loop)
 
-from .target import HYBRID_ARCHS, load_target_config  # noqa: F401  (HYBRID_ARCHS: the types exported here)
+from .target_config import load_target_config
+
 _CELL_OP = "OVDFlashGatedDeltaLoop"
 
 

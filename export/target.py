@@ -23,9 +23,7 @@ import openvino as ov
 
 from ovdflash.graphs import LOCATOR_KEY, find_lm_head
 
-# hybrid (linear + full attention) targets: converted by export/qwen3_5.py, run by ovdflash.hybrid
-HYBRID_ARCHS = ("qwen3_5_text", "qwen3_5")
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3") + HYBRID_ARCHS
+from .target_config import HYBRID_ARCHS, SUPPORTED_ARCHS, load_target_config
 
 
 def _matmul_upstream(output, depth: int = 3) -> bool:
@@ -110,18 +108,6 @@ def gguf_to_hf_dir(gguf_path: Path, out_dir: Path) -> Path:
         AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(out_dir))
         return out_dir
     return convert_gguf_to_hf(gguf_path, out_dir)
-
-
-def load_target_config(source) -> dict:
-    source = Path(source)
-    if source.suffix == ".gguf":
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(str(source.parent), gguf_file=source.name).to_dict()
-    config = json.loads((source / "config.json").read_text())
-    if config.get("model_type") == "qwen3_5":  # the text model's fields sit under a wrapper
-        return {**config["text_config"], "model_type": "qwen3_5_text"}
-    return config
 
 
 def export_target_model(hf_dir, stateful: bool = True) -> tuple[ov.Model, object]:

@@ -8,7 +8,7 @@ import pytest
 
 from ovdflash_export.training.data import (ShardWriter, _work_list, data_summary, load_sequences, pack_data_dir, read_index,
                                   read_tokens)
-from ovdflash_export.training.prompts import load_prompts, write_prompts
+from ovdflash_export.training.prompt_files import DOMAINS, load_prompts, write_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "models" / "prompts"              # the eval sets, shipped with the runtime
@@ -216,7 +216,7 @@ def _one_train_prompt_per_domain(tmp_path):
 
 
 def test_followup_pool_takes_whole_replies_to_train_prompts_only(tmp_path):
-    from ovdflash_export.training.prompts import FOLLOW_UPS, build_followup_pool, load_prompts
+    from ovdflash_export.training.prompts import FOLLOW_UPS, build_followup_pool
 
     target, tok, eos, prompts, w, reply = _one_train_prompt_per_domain(tmp_path)
     w.append([1, 2] + reply + [eos], 2, "code", "greedy", "code0", 0, True)        # kept
@@ -234,7 +234,7 @@ def test_followup_pool_takes_whole_replies_to_train_prompts_only(tmp_path):
 
 
 def test_a_variant_followup_pool_asks_each_conversation_a_new_request(tmp_path):
-    from ovdflash_export.training.prompts import FOLLOW_UPS, build_followup_pool, load_prompts, root_prompt_id
+    from ovdflash_export.training.prompts import FOLLOW_UPS, build_followup_pool, root_prompt_id
 
     target, tok, eos, prompts, w, reply = _one_train_prompt_per_domain(tmp_path)
     other = tok("another answer", add_special_tokens=False)["input_ids"]
@@ -261,7 +261,7 @@ def test_a_variant_followup_pool_asks_each_conversation_a_new_request(tmp_path):
 
 
 def test_a_followup_of_a_followup_keeps_the_whole_conversation(tmp_path):
-    from ovdflash_export.training.prompts import build_followup_pool, load_prompts
+    from ovdflash_export.training.prompts import build_followup_pool
 
     target, tok, eos = _tiny_tokenizer(tmp_path)
     pool = tmp_path / "fu"
@@ -319,7 +319,7 @@ def test_stdlib_code_prompts_take_public_documented_functions(tmp_path):
 
 
 def test_wide_pool_avoids_eval_prompts_and_rebuilds_identically(tmp_path):
-    from ovdflash_export.training.prompts import DOMAINS, build_wide_pool, load_prompts, wide_chat_prompts
+    from ovdflash_export.training.prompts import build_wide_pool, wide_chat_prompts
     import random
     first = wide_chat_prompts(random.Random(7))[0]["turns"][0]
     evals = tmp_path / "prompts"
@@ -348,7 +348,7 @@ def test_shipped_wide_pool_holds_no_eval_prompt():
 
 
 def test_chat2_pool_avoids_eval_and_earlier_first_turns_and_rebuilds_identically(tmp_path):
-    from ovdflash_export.training.prompts import DOMAINS, build_chat2_pool, chat2_prompts, write_prompts
+    from ovdflash_export.training.prompts import build_chat2_pool, chat2_prompts
     import random
     candidates = [r["turns"][0] for r in chat2_prompts(random.Random(7))]
     evals, earlier = tmp_path / "prompts", tmp_path / "earlier"

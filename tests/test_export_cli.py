@@ -67,7 +67,8 @@ def test_cli_rejects_mismatched_pair(tiny_sources, tmp_path, case):
 
 def test_a_mask_token_that_ends_replies_is_refused_before_any_export(tiny_sources, tmp_path):
     """validate_pair knows the target's EOS ids from its source, so this fails in the first step."""
-    from ovdflash_export.exporter import PairMismatchError, _source_eos_ids, validate_pair
+    from ovdflash_export.exporter import PairMismatchError, validate_pair
+    from ovdflash_export.model_dir import _source_eos_ids
     from ovdflash_export.tiny import make_tiny_drafter
 
     target, _ = tiny_sources()

@@ -1,11 +1,11 @@
 """Drafter training, the torch side of the export stage: data, prompt pools, features, training.
 
-Modules: `prompts` (the prompt pools, from the word lists in `templates/`), `data` (the target's
-replies stored as token ids), `textdata` (foreign text in the same format), `features` (target
-features precomputed by the deployed OpenVINO target), `config` (the training options,
-torch-free: `ovdflash train` builds its command line from it), `train` (the training run) with
-`target_features`, `batch`, `loss` and `evaluate`. Importing this package imports nothing heavy;
-each module imports what it needs.
+Modules: `prompts` (the prompt pools, from the word lists in `templates/`), `prompt_files` (how a
+pool is stored, read by `prompts` and `data`), `data` (the target's replies stored as token ids),
+`textdata` (foreign text in the same format), `features` (target features precomputed by the
+deployed OpenVINO target), `config` (the training options, torch-free: `ovdflash train` builds its
+command line from it), `train` (the training run) with `target_features`, `batch`, `loss` and
+`evaluate`. Importing this package imports nothing heavy; each module imports what it needs.
 
 The command lines' default paths, relative to the repository root: the held-out eval prompts ship
 with the runtime (`EVAL_PROMPTS`); the training data lives in one data root outside the installed

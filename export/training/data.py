@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-DOMAINS = ("code", "math", "chat")
+from .prompt_files import DOMAINS, load_prompts
 
 
 # ------------------------------------------------------------------ reading
@@ -217,8 +217,6 @@ def _open_work(hf_model_dir, prompts_dir, out_dir, split: str, sample_reps: int,
     """(HF tokenizer, eos id, ShardWriter, work list still to do) for a generator run over the
     prompts of `domains`."""
     from transformers import AutoTokenizer
-
-    from .prompts import load_prompts
 
     domains = check_domains(domains)
     tok = AutoTokenizer.from_pretrained(str(hf_model_dir))

@@ -4,7 +4,7 @@ Contract: `build_prompt_pool(out_dir, cache_dir, eval_dir=None)` writes, per dom
 math, chat), `train_<d>.jsonl` into out_dir and `eval_<d>.jsonl` into eval_dir (default: out_dir;
 the shipped ones are `models/prompts`, the runtime's eval sets), one prompt per line:
 `{"id": str, "domain": d, "source": str, "turns": [user message, ...]}` (z-lab's `turns` shape).
-Train files are stored xz-packed (`train_<d>.jsonl.xz`); `load_prompts` reads either form.
+Train files are stored xz-packed (`train_<d>.jsonl.xz`); `prompt_files.load_prompts` reads either form.
 Eval prompts never enter training: they are chosen first (fixed seed) and removed from the pool,
 and the hand-written math eval problems are not instances of any training template.
 
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import lzma
 import random
 import re
 import subprocess
@@ -46,7 +45,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-DOMAINS = ("code", "math", "chat")
+from .prompt_files import DOMAINS, load_prompts, prompt_file, write_prompts
+
 EVAL_PER_DOMAIN = 20
 SEED = 1234
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -436,35 +436,6 @@ def write_train_pool(out_dir, rows: dict[str, list[dict]], rng: random.Random) -
         rng.shuffle(rows[d])
         counts[f"train_{d}.jsonl"] = write_prompts(Path(out_dir) / f"train_{d}.jsonl", rows[d], pack=True)
     return counts
-
-
-def write_prompts(path, rows: list[dict], pack: bool = False) -> int:
-    """One JSON object a line (the shape load_prompts reads); returns the row count. pack=True
-    writes `path` + ".xz" instead (how the train pools are kept: follow-up pools carry whole
-    replies, and xz shrinks them ~9x), and either way the other form of `path` is removed."""
-    path = Path(path)
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-    written, other = (Path(str(path) + ".xz"), path) if pack else (path, Path(str(path) + ".xz"))
-    with (lzma.open(written, "wt", encoding="utf-8") if pack else open(written, "w", encoding="utf-8")) as f:
-        f.write(text)
-    other.unlink(missing_ok=True)
-    return len(rows)
-
-
-def prompt_file(path) -> Path | None:
-    """`path`, or its packed form `path`.xz, whichever exists (None if neither)."""
-    for candidate in (Path(path), Path(str(path) + ".xz")):
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def load_prompts(path) -> list[dict]:
-    found = prompt_file(path)
-    if found is None:
-        raise FileNotFoundError(f"no prompt file {path} (nor {Path(path).name}.xz)")
-    with (lzma.open(found, "rt", encoding="utf-8") if found.suffix == ".xz" else open(found, encoding="utf-8")) as f:
-        return [json.loads(l) for l in f if l.strip()]
 
 
 if __name__ == "__main__":
