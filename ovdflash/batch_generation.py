@@ -63,6 +63,10 @@ class BatchGeneration:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    def pool_usage(self) -> dict[str, int]:
+        """The KV block pool's used / cached / free blocks (batch_runners.OVPagedBatchTarget.pool_usage)."""
+        return self.scheduler.target.pool_usage()
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 

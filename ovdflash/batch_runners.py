@@ -4,8 +4,8 @@ Contract:
 - `OVPagedBatchTarget(compiled, max_length, pool_blocks=None, prefix_caching=True)` implements
   `scheduler.BatchTarget` on the compiled paged target (the one `OVPagedTarget` runs, through its
   own InferRequest). KV blocks of every sequence come from ONE pool: `pool_blocks` blocks of
-  `block_tokens` tokens (default: the blocks of `DEFAULT_POOL_BYTES` of cache, at least one
-  full-context sequence; `blocks_for_bytes`).
+  `block_tokens` tokens (default `default_pool_blocks`: one full-context sequence's blocks, shared
+  by the whole batch, at most `MAX_POOL_SHARE` of the memory available; `blocks_for_bytes`).
   The host tensors start small and grow by doubling up to the limit (the used blocks are copied
   once per growth); freed blocks go on a free list and are reused.
 - `reserve(seq_id, num_tokens, prompt_ids=None)` books the blocks a sequence can ever write; False
@@ -39,6 +39,7 @@ Contract:
 from __future__ import annotations
 
 import hashlib
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -47,8 +48,8 @@ import openvino as ov
 
 from .runners import WIDE_FROM, OVDrafter, OVPagedTarget, paged_cache_inputs, run_request, wide_request_of
 
-# KV cache the pool may hold by default, across all sequences
-DEFAULT_POOL_BYTES = 1 << 30
+# the default pool takes at most this share of the memory available when it is sized
+MAX_POOL_SHARE = 0.25
 
 
 def cache_inputs_of(compiled: ov.CompiledModel) -> list:
@@ -80,9 +81,42 @@ def pool_bytes_per_block(compiled: ov.CompiledModel, prefix_caching: bool = True
     return bytes_per_block(cache_inputs) + features
 
 
+def describe_pool(compiled: ov.CompiledModel, pool_blocks: int, prefix_caching: bool = True) -> str:
+    """What a pool of pool_blocks holds, for the start-up log: tokens, bytes, and the KV precision."""
+    cache_inputs = cache_inputs_of(compiled)
+    tokens = pool_blocks * block_tokens_of(cache_inputs)
+    kv_types = sorted({element_type.get_type_name() for _, element_type, _ in cache_inputs})
+    per_token = pool_bytes_per_block(compiled, prefix_caching) / block_tokens_of(cache_inputs)
+    kv = bytes_per_block(cache_inputs) / block_tokens_of(cache_inputs)
+    features = f" + {(per_token - kv) / 1024:.1f} KiB of f32 prefix features" if prefix_caching else ""
+    return (f"KV cache pool: {tokens} tokens in {pool_blocks} blocks, {pool_blocks * block_tokens_of(cache_inputs) * per_token / 2 ** 20:.1f} MiB at most "
+            f"({'/'.join(kv_types)} KV, {kv / 1024:.1f} KiB a token{features})")
+
+
 def blocks_for_bytes(compiled: ov.CompiledModel, num_bytes: int, prefix_caching: bool = True) -> int:
     """Pool blocks that fit in num_bytes."""
     return max(1, num_bytes // pool_bytes_per_block(compiled, prefix_caching))
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (where there is none: the physical memory)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_pool_blocks(compiled: ov.CompiledModel, max_length: int, prefix_caching: bool = True,
+                        available: int | None = None) -> int:
+    """The default pool: one full-context sequence's blocks, which the batch shares (shorter
+    requests run side by side in them), at most MAX_POOL_SHARE of the memory available now. A pool
+    capped below one context lowers the server's context limit to what it holds."""
+    one_context = -(-max_length // block_tokens_of(cache_inputs_of(compiled)))
+    share = int(MAX_POOL_SHARE * (available_memory_bytes() if available is None else available))
+    return max(1, min(one_context, blocks_for_bytes(compiled, share, prefix_caching)))
 
 
 class PoolExhaustedError(ValueError):
@@ -123,9 +157,8 @@ class OVPagedBatchTarget:
         self.num_wide_calls = 0
         self.block_tokens = block_tokens_of(self.cache_inputs)
         self.caches_prefixes = bool(prefix_caching)
-        blocks_per_sequence = -(-max_length // self.block_tokens)
         if pool_blocks is None:
-            pool_blocks = max(blocks_per_sequence, blocks_for_bytes(compiled, DEFAULT_POOL_BYTES, self.caches_prefixes))
+            pool_blocks = default_pool_blocks(compiled, max_length, self.caches_prefixes)
         if isinstance(pool_blocks, bool) or not isinstance(pool_blocks, (int, np.integer)) or pool_blocks < 1:
             raise ValueError(f"pool_blocks must be an integer >= 1, got {pool_blocks!r}")
         self.pool_blocks = int(pool_blocks)
@@ -161,6 +194,12 @@ class OVPagedBatchTarget:
     def free_blocks(self) -> int:
         """Blocks a new booking may take (cached blocks nobody holds count: they are evicted on demand)."""
         return self.pool_blocks - self.num_reserved
+
+    def pool_usage(self) -> dict[str, int]:
+        """Blocks held by running sequences (`used`), cached ones nobody holds (`cached`, evicted on
+        demand) and the rest (`free`), which add up to `pool_blocks`; `allocated`: in the host tensors."""
+        used, cached = self.num_referenced, len(self.evictable)
+        return {"used": used, "cached": cached, "free": self.pool_blocks - used - cached, "allocated": self.num_blocks}
 
     def _grow(self, num_blocks: int) -> None:
         allocated = self.num_blocks

@@ -9,8 +9,9 @@ as vLLM's: `--api-key` (or OVDFLASH_API_KEY; without it the server is open, so a
 (repeatable; default: the directory's name), `--max-num-seqs` (sequences generating at once,
 default 8 with the paged target runner, 1 with the others: continuous batching, one target call
 per round for all of them; 1: one request at a time, any runner), `--kv-cache-memory-bytes` (the batch's KV
-block pool limit, cached prefix features included; default: --max-num-seqs full-context sequences,
-at most half the machine's memory; a smaller pool lowers the context limit to what it holds),
+block pool limit, cached prefix features included; default: one full-context sequence shared by the
+batch, at most a quarter of the memory available; a smaller pool lowers the context limit to what it
+holds; the start-up log says how many tokens the pool holds and in which precision),
 `--enable-prefix-caching/--no-enable-prefix-caching` (default on: KV blocks of prompt prefixes are
 reused across requests), `--max-queue`, `--max-model-len`, `--max-request-bytes`. With batching, `--block-size`
 defaults to "auto": each round's drafts are chosen for the whole batch from its measured cost
@@ -67,18 +68,6 @@ def parse_bytes(text) -> int:
     return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
 
 
-def default_kv_cache_bytes(compiled, max_length: int, max_num_seqs: int, prefix_caching: bool = True) -> int:
-    """max_num_seqs full-context sequences, at most half the machine's memory (a limit: blocks are
-    allocated as sequences grow)."""
-    import os
-
-    from .batch_runners import block_tokens_of, cache_inputs_of, pool_bytes_per_block
-
-    blocks = -(-max_length // block_tokens_of(cache_inputs_of(compiled)))
-    full_context = blocks * pool_bytes_per_block(compiled, prefix_caching)
-    return int(min(max_num_seqs * full_context, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2))
-
-
 def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_num_seqs=1, max_queue=128,
                      max_model_len=None, api_key=None, max_request_bytes=None, kv_cache_memory_bytes=None):
     """The FastAPI app over `pipe`: scheduler, engine, metrics and endpoints wired together.
@@ -101,27 +90,33 @@ def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_
     context = pipe.target.max_length
     if max_model_len is not None and not 2 <= max_model_len <= context:
         raise ValueError(f"--max-model-len must be in 2..{context} (the model's context), got {max_model_len}")
+    pool_text = None
     if max_num_seqs == 1:
         scheduler = SequentialScheduler(pipe, block_size, draft)
     else:
-        from .batch_runners import block_tokens_of, blocks_for_bytes, cache_inputs_of, paged_compiled
+        from .batch_runners import (block_tokens_of, blocks_for_bytes, cache_inputs_of, default_pool_blocks,
+                                    describe_pool, paged_compiled)
 
         compiled = paged_compiled(pipe.target)  # another runner: a clear error
         caching = bool(pipe.prefix_cache)
-        num_bytes = (parse_bytes(kv_cache_memory_bytes) if kv_cache_memory_bytes is not None
-                     else default_kv_cache_bytes(compiled, context, max_num_seqs, caching))
-        pool_blocks = blocks_for_bytes(compiled, num_bytes, caching)
+        pool_blocks = (blocks_for_bytes(compiled, parse_bytes(kv_cache_memory_bytes), caching)
+                       if kv_cache_memory_bytes is not None else default_pool_blocks(compiled, context, caching))
+        pool_text = describe_pool(compiled, pool_blocks, caching)
         pool_tokens = pool_blocks * block_tokens_of(cache_inputs_of(compiled))
         if max_model_len is not None and max_model_len > pool_tokens:
-            raise ValueError(f"--kv-cache-memory-bytes {kv_cache_memory_bytes} holds {pool_tokens} tokens of KV cache, "
+            raise ValueError(f"--kv-cache-memory-bytes {kv_cache_memory_bytes or '(default)'} holds {pool_tokens} tokens of KV cache, "
                              f"fewer than --max-model-len {max_model_len}: raise the one or lower the other")
         if pool_tokens < context:
             max_model_len = max_model_len or pool_tokens
         scheduler = BatchedScheduler(pipe, block_size, draft, max_num_seqs, pool_blocks)
     metrics = ServerMetrics(served_model_names[0], bool(pipe.prefix_cache))
+    if max_num_seqs > 1:
+        metrics.watch_pool(scheduler.batch.pool_usage)
     engine = AsyncEngine(scheduler, max_num_seqs, max_queue, metrics, max_model_len or context)
-    return build_app(engine, served_model_names, api_key,
-                     max_request_bytes if max_request_bytes is not None else DEFAULT_MAX_REQUEST_BYTES)
+    app = build_app(engine, served_model_names, api_key,
+                    max_request_bytes if max_request_bytes is not None else DEFAULT_MAX_REQUEST_BYTES)
+    app.state.kv_pool = pool_text  # for the start-up line: tokens, bytes and precision of the pool
+    return app
 
 
 @click.command()
@@ -143,8 +138,8 @@ def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_
               help="Sequences generating at once, verified in one target call per round (paged runner; "
                    "default 8, or 1 with another runner); 1: one request at a time.")
 @click.option("--kv-cache-memory-bytes", default=None, metavar="SIZE",
-              help="KV block pool limit for batching, e.g. 4G (default: --max-num-seqs full-context sequences, "
-                   "at most half the memory).")
+              help="KV block pool limit for batching, e.g. 4G (default: one full context shared by the batch, "
+                   "at most a quarter of the available memory).")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
               help="Reuse the KV blocks of prompt prefixes computed before (a shared system prompt, earlier chat "
                    "turns); output unchanged.")
@@ -222,4 +217,6 @@ def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_s
                f"{' (all the KV cache pool holds)' if pool_bound else ''}, "
                f"prefix caching {'on' if enable_prefix_caching else 'off'}, "
                f"{'API key required' if api_key else 'no API key'}", err=True)
+    if app.state.kv_pool:
+        click.echo(app.state.kv_pool, err=True)
     run_server(app, host, port, shutdown_timeout, log_level)

@@ -5,7 +5,8 @@ Contract:
   applies `graphs.drafter_for_runtime` / `graphs.target_for_runtime`, compiles with CACHE_DIR
   set (except for a target with fp16 weights: `FP16_UNCACHED`), and returns
   (OVPagedTarget | OVTarget, OVDrafter | None). The drafter gets `DRAFTER_DEFAULTS` under `config` (a key set
-  in `config` wins). When `drafter/draft_vocab.json` exists (and `use_draft_vocab`), the
+  in `config` wins), and every model compiled for the CPU `cpu_defaults` (a bounded runtime cache).
+  When `drafter/draft_vocab.json` exists (and `use_draft_vocab`), the
   drafter's head is restricted to that draft vocabulary.
 - `compile_runners(..., target_runner=)` picks the target runner (`ovdflash.TARGET_RUNNERS`):
   "paged" (the default) applies openvino's paged-attention transformation before the runtime
@@ -48,6 +49,18 @@ from .manifest import DEFAULT_TARGET_RUNNER, DRAFT_VOCAB, DRAFTER_XML, TARGET_XM
 # drafter, 2 cores, 300-token context: 2.78 against 3.11 ms a call with 1 draft, 3.38 against 3.60
 # with 3). Only the proposals can change, never the output: the target verifies every draft.
 DRAFTER_DEFAULTS = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
+
+# Every model compiled for the CPU keeps at most this many executors per kind of node (the plugin's
+# LRU of per-shape kernels): its default of 5000 let varied traffic grow a server by GBs
+# (docs/SERVING.md, Memory). Speed is unchanged at 32 entries.
+RUNTIME_CACHE_CAPACITY = 32
+
+
+def cpu_defaults(device: str, config: dict | None) -> dict:
+    """`config` with the runtime cache bound added for the CPU plugin (a key set in `config` wins)."""
+    bound = {"CPU_RUNTIME_CACHE_CAPACITY": str(RUNTIME_CACHE_CAPACITY)} if device.upper() == "CPU" else {}
+    return {**bound, **(config or {})}
+
 
 # A target with fp16 weights is compiled without CACHE_DIR: the CPU plugin (2026.4) runs an fp16 model
 # imported from its compile cache much slower than the freshly compiled one (SmolLM2-135M, 2 cores:
@@ -470,7 +483,8 @@ def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", 
         draft_vocab = graphs.read_draft_vocab(vocab_path) if use_draft_vocab and vocab_path.exists() else None
         graphs.drafter_for_runtime(drafter_model, target_model, draft_vocab)
     max_length = int(manifest["max_position_embeddings"])
-    target_config = dict(config or {})
+    config = cpu_defaults(device, config)
+    target_config = dict(config)
     if manifest.get("target", {}).get("weight_format") == FP16_UNCACHED:
         target_config.pop("CACHE_DIR", None)
     if target_runner == "hybrid":
@@ -494,7 +508,7 @@ def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", 
         else:
             target = OVTarget(compiled_target, max_length, seq_axes, **target_options)
     if with_drafter:
-        drafter = OVDrafter(core.compile_model(drafter_model, device, {**DRAFTER_DEFAULTS, **(config or {})}),
+        drafter = OVDrafter(core.compile_model(drafter_model, device, {**DRAFTER_DEFAULTS, **config}),
                             int(manifest["block_size"]), int(manifest["mask_token_id"]), max_length,
                             exact_passes=manifest.get("draft_pass") == "exact", seq_axes=drafter_seq_axes)
     return target, drafter

@@ -173,6 +173,10 @@ def test_requests_sharing_a_system_prompt_reuse_its_blocks(pipe):
     b = pipe.batch_target().block_tokens
     assert num_system >= b and cached[0] == 0 and all(c >= num_system // b * b for c in cached[1:])
     assert metrics[("ovdflash:prefix_cache_hits_total", ())] == sum(cached) > 0
+    # the pool's gauges: nothing running, the shared prompt's blocks cached, all adding up to the pool
+    pool = {state: metrics[("ovdflash:kv_pool_blocks", (("state", state),))] for state in ("used", "cached", "free")}
+    assert pool["used"] == 0 and pool["cached"] >= num_system // b and sum(pool.values()) == engine.scheduler.batch.scheduler.target.pool_blocks
+    assert metrics[("ovdflash:resident_memory_bytes", ())] > 50 << 20
     assert metrics[("ovdflash:prefix_cache_queries_total", ())] == sum(r.usage.prompt_tokens for r in replies)
     assert texts == [pipe.generate(m, max_new_tokens=8, block_size=4, prefix_cache=False).text for m in chats]
     with serving(pipe, block_size=4) as (url, engine):  # the pipeline's prefix_cache is off: nothing reused

@@ -25,7 +25,9 @@ Contract:
   has begun. `abort(request_id)` (a client went away) drops the stream at once and tells the
   worker. `begin_shutdown(drain_s)`: no new requests; open ones may finish for `drain_s`
   seconds, then end with finish_reason "abort" at their next round. `close()` stops the worker.
-- The worker owns the pipeline: no other thread touches it while the engine runs. It records
+- The worker owns the pipeline: no other thread touches it while the engine runs. Every
+  `TRIM_EVERY` finished requests, and when it runs out of work, it hands the C heap's free pages
+  back to the kernel (ovdflash.memory.release_free_heap), so resident memory follows use. It records
   metrics (ServerMetrics) for every request it finishes, answered or not, and a failure inside
   a request ends that request with "error" and one log line, not the server.
 """
@@ -42,6 +44,9 @@ from ..pipeline import GenerationResult
 from ..stats import GenerationStats
 
 logger = logging.getLogger("ovdflash.server")
+
+# finished requests between two trims of the C heap (one trim costs about a millisecond)
+TRIM_EVERY = 32
 
 
 @dataclass(frozen=True)
@@ -336,10 +341,16 @@ class AsyncEngine:
 
     # -- worker side -------------------------------------------------------------------------
     def _run(self) -> None:
+        from ..memory import release_free_heap
+
         timing: dict[str, list] = {}  # request id -> [arrival, first output time or None]
+        finished_since_trim = 0
         try:
             while True:
                 with self._cond:
+                    if finished_since_trim and not (self._commands or self.scheduler.has_unfinished()):
+                        release_free_heap()  # out of work: what the last requests left goes back
+                        finished_since_trim = 0
                     while not (self._commands or self._stop or self.scheduler.has_unfinished()):
                         self._cond.wait()
                     commands, self._commands = self._commands, []
@@ -358,6 +369,10 @@ class AsyncEngine:
                 else:
                     outputs += self.scheduler.step()
                 self._publish(outputs, timing)
+                finished_since_trim += sum(o.finished for o in outputs)
+                if finished_since_trim >= TRIM_EVERY:
+                    release_free_heap()
+                    finished_since_trim = 0
                 if stop and not self.scheduler.has_unfinished():
                     return
         except BaseException as exc:  # the engine itself broke: fail every open request, keep serving errors

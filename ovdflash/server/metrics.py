@@ -11,7 +11,10 @@ one process, as tests build them), served by `/metrics`. Every series carries `m
   `ovdflash:request_success_total{finished_reason}` (stop, length, abort, error: every request
   the engine took, answered or not), `ovdflash:request_rejected_total{reason}` (queue_full,
   shutting_down).
-- Gauges: `ovdflash:num_requests_running`, `ovdflash:num_requests_waiting`.
+- Gauges: `ovdflash:num_requests_running`, `ovdflash:num_requests_waiting`,
+  `ovdflash:resident_memory_bytes` (the server process's resident set, read at each scrape) and,
+  when batching, `ovdflash:kv_pool_blocks{state}` (used: held by running requests; cached: prefix
+  blocks nobody holds, evicted on demand; free: the rest, which add up to the pool's blocks).
 - Histograms (seconds, from the request's arrival at the engine): `ovdflash:time_to_first_token_seconds`,
   `ovdflash:time_per_output_token_seconds` (per request: (end - first token) / (tokens - 1)),
   `ovdflash:e2e_request_latency_seconds`.
@@ -19,6 +22,8 @@ one process, as tests build them), served by `/metrics`. Every series carries `m
 the `usage.spec_decode` objects of the responses.
 """
 from __future__ import annotations
+
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -57,6 +62,11 @@ class ServerMetrics:
                                         ["reason"])
         self.running = Gauge(PREFIX + "num_requests_running", "Requests generating now.", m, registry=r)
         self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting for the engine.", m, registry=r)
+        self.resident = Gauge(PREFIX + "resident_memory_bytes", "Resident memory of the server process.", m,
+                              registry=r)
+        self.resident.labels(model_name).set_function(resident_memory_bytes)
+        self.pool_blocks = Gauge(PREFIX + "kv_pool_blocks", "KV cache pool blocks by state (used, cached, free).",
+                                 m + ["state"], registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", m,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Time per output token after the first.",
@@ -68,6 +78,11 @@ class ServerMetrics:
         """Read the two gauges from these callables at each scrape (so they are current while a round runs)."""
         self.running.labels(self.model_name).set_function(num_running)
         self.waiting.labels(self.model_name).set_function(num_waiting)
+
+    def watch_pool(self, pool_usage) -> None:
+        """Read the pool gauges from pool_usage() (a dict with used, cached and free blocks) at each scrape."""
+        for state in ("used", "cached", "free"):
+            self.pool_blocks.labels(self.model_name, state).set_function(lambda state=state: pool_usage()[state])
 
     def record_first_token(self, seconds: float) -> None:
         self.ttft.labels(self.model_name).observe(seconds)
@@ -93,3 +108,12 @@ class ServerMetrics:
         self.e2e.labels(name).observe(e2e_s)
         if ttft_s is not None and num_output_tokens > 1:
             self.tpot.labels(name).observe((e2e_s - ttft_s) / (num_output_tokens - 1))
+
+
+def resident_memory_bytes() -> int:
+    """This process's resident set size (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
