@@ -37,7 +37,7 @@ from .target_config import SUPPORTED_ARCHS, load_target_config
 
 
 def _read_draft_vocab(drafter_dir: Path):
-    from ovdflash.graphs import read_draft_vocab  # sorted, unique; raises on a malformed file
+    from ovdflash.ov.graphs import read_draft_vocab  # sorted, unique; raises on a malformed file
 
     try:
         return read_draft_vocab(drafter_dir / DRAFT_VOCAB_FILE)
@@ -155,7 +155,7 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
 
     import openvino as ov
 
-    from ovdflash.graphs import drafter_for_runtime, read_layer_locators, target_for_runtime
+    from ovdflash.ov.graphs import drafter_for_runtime, read_layer_locators, target_for_runtime
 
     from .compress import compress_model
     from .drafter_export import export_drafter

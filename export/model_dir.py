@@ -180,7 +180,7 @@ def check_default_block_size(value, block_size: int) -> int | str:
 
 def check_compile_options(options: dict | None) -> dict:
     """Compile options for the manifest: string keys and values; a precision hint the runtime knows."""
-    from ovdflash.precision import resolve
+    from ovdflash.ov.precision import resolve
 
     options = {str(k): str(v) for k, v in (options or {}).items()}
     try:  # the precision pair must be one the runtime can compile on some CPU

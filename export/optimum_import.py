@@ -162,7 +162,7 @@ def import_openvino_pair(target, drafter, out_dir, target_weight_format: str = "
                           "apply to checkpoints (give optimum-cli its --weight-format instead)")
     import openvino as ov
 
-    from ovdflash.graphs import LOCATOR_KEY, drafter_for_runtime, target_for_runtime
+    from ovdflash.ov.graphs import LOCATOR_KEY, drafter_for_runtime, target_for_runtime
 
     from .target import _drop_runtime_kv_hint, annotate_layers
 

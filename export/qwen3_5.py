@@ -1,6 +1,6 @@
 """Qwen3.5 text targets (Gated DeltaNet + full attention) -> the hybrid target IR, on transformers 5.5.
 
-Contract (the IR's ports: `ovdflash.hybrid`; docs/DESIGN.md, "Hybrid targets"):
+Contract (the IR's ports: `ovdflash.ov.hybrid`; docs/DESIGN.md, "Hybrid targets"):
 
 * The model types exported here are `target_config.HYBRID_ARCHS`: `qwen3_5_text`, and `qwen3_5` (the
   checkpoint layout whose text model sits under a wrapper, `text_config` in config.json).
@@ -10,7 +10,7 @@ Contract (the IR's ports: `ovdflash.hybrid`; docs/DESIGN.md, "Hybrid targets"):
 * `convert_qwen3_5(hf_dir)` -> (ov.Model, wrapped) with `wrapped.config` / `wrapped.generation_config`
   (what `target.save_target` writes). Our own torch wrapper around the HF modules is traced with
   `ov.convert_model` (optimum-intel 2.2.0's Qwen3.5 patcher needs transformers <= 5.2): the Gated
-  DeltaNet recurrence becomes `ovdflash.hybrid.gated_delta_loop` (a ModuleExtension), the conv and
+  DeltaNet recurrence becomes `ovdflash.ov.hybrid.gated_delta_loop` (a ModuleExtension), the conv and
   recurrent states are plain inputs/outputs, and the full-attention K/V become ReadValue/Assign
   states behind a `beam_idx` Gather (as optimum's stateful IRs). Inputs: `input_ids`,
   `attention_mask` (physical slots, past + T; rejected slots 0), `position_ids` (logical),
@@ -30,9 +30,8 @@ import openvino as ov
 import torch
 import torch.nn.functional as F
 
-from ovdflash.graphs import LOCATOR_KEY, find_lm_head
-from ovdflash.hybrid import (CONV_STATE, CONV_WINDOW, LOOP_INPUTS, RECURRENT_OUT, RECURRENT_STATE,
-                             gated_delta_loop)
+from ovdflash.ov.graphs import LOCATOR_KEY, find_lm_head
+from ovdflash.ov.hybrid import CONV_STATE, CONV_WINDOW, LOOP_INPUTS, RECURRENT_OUT, RECURRENT_STATE, gated_delta_loop
 
 from .target_config import load_target_config
 

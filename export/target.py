@@ -21,7 +21,7 @@ from pathlib import Path
 
 import openvino as ov
 
-from ovdflash.graphs import LOCATOR_KEY, find_lm_head
+from ovdflash.ov.graphs import LOCATOR_KEY, find_lm_head
 
 from .target_config import HYBRID_ARCHS, SUPPORTED_ARCHS, load_target_config
 

@@ -2,7 +2,7 @@
 
 Contract:
 - `SUPPORTED_ARCHS`: the target model types the export converts; `HYBRID_ARCHS`, the hybrid
-  (linear + full attention) ones among them: converted by `qwen3_5`, run by `ovdflash.hybrid`.
+  (linear + full attention) ones among them: converted by `qwen3_5`, run by `ovdflash.ov.hybrid`.
 - `load_target_config(source) -> dict`: the config of a HF directory (`config.json`; for a
   `qwen3_5` checkpoint its `text_config`, as model type `qwen3_5_text`) or of a `.gguf` file
   (through transformers).

@@ -27,9 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable, NamedTuple, Sequence
 
-from .sampling import SamplingParams
-from .scheduler import Scheduler
-from .stats import GenerationStats
+from .decode.sampling import SamplingParams
+from .decode.scheduler import Scheduler
+from .decode.stats import GenerationStats
 from .tokenizer import IncrementalDetokenizer
 
 
@@ -37,12 +37,12 @@ class BatchOutput(NamedTuple):
     request_id: Hashable
     text: str        # new text since this request's previous output
     finished: bool
-    result: object   # the request's pipeline.GenerationResult, as it stands
+    result: object   # the request's text.GenerationResult, as it stands
 
 
 @dataclass
 class _Request:
-    result: object  # pipeline.GenerationResult
+    result: object  # text.GenerationResult
     detok: IncrementalDetokenizer | None
     stops: list[str]
     eos: set
@@ -64,7 +64,7 @@ class BatchGeneration:
         return len(self.scheduler.waiting)
 
     def pool_usage(self) -> dict[str, int]:
-        """The KV block pool's used / cached / free blocks (batch_runners.OVPagedBatchTarget.pool_usage)."""
+        """The KV block pool's used / cached / free blocks (paged_batch.OVPagedBatchTarget.pool_usage)."""
         return self.scheduler.target.pool_usage()
 
     def has_work(self) -> bool:
@@ -73,7 +73,7 @@ class BatchGeneration:
     def add(self, request_id: Hashable, prompt_ids: Sequence[int], max_new_tokens: int,
             params: SamplingParams | None = None, stop=(), block_size: int | str | None = None,
             draft: bool | None = None, prompt_lookup: bool | None = None, prefix_cache: bool | None = None):
-        from .pipeline import GenerationResult, check_positive_int, check_stops, check_token_ids
+        from .text import GenerationResult, check_positive_int, check_stops, check_token_ids
 
         pipe = self.pipeline
         prompt_ids = check_token_ids(prompt_ids, pipe.vocab_size)
@@ -97,7 +97,7 @@ class BatchGeneration:
         return result
 
     def step(self) -> list[BatchOutput]:
-        from .pipeline import _extend_text, _held_back
+        from .text import extend_text, held_back
 
         out = []
         for request_id, events in self.scheduler.step():
@@ -109,12 +109,12 @@ class BatchGeneration:
                 finished = bool(event.finish_reason)
                 if req.detok is None:
                     continue
-                result.text, stopped = _extend_text(result.text, event, req.detok, req.eos, req.stops)
+                result.text, stopped = extend_text(result.text, event, req.detok, req.eos, req.stops)
                 if stopped:  # a stop string: this request ends here, mid-round or not
                     result.finish_reason, finished = "stop", True
                     self.scheduler.abort(request_id)
                     break
-            safe = len(result.text) if finished else len(result.text) - _held_back(result.text, req.stops)
+            safe = len(result.text) if finished else len(result.text) - held_back(result.text, req.stops)
             out.append(BatchOutput(request_id, result.text[req.emitted:safe], finished, result))
             req.emitted = max(req.emitted, safe)
             if finished:

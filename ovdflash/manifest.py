@@ -30,12 +30,12 @@ DRAFT_VOCAB_FILE = "draft_vocab.json"  # optional, in a drafter checkpoint and i
 DRAFT_VOCAB = "drafter/" + DRAFT_VOCAB_FILE
 IR_FILES = (TARGET_XML, TARGET_XML[:-4] + ".bin", DRAFTER_XML, DRAFTER_XML[:-4] + ".bin")
 
-# How the target's attention and KV cache run (runners.compile_runners): "paged" (openvino's
+# How the target's attention and KV cache run (compile.compile_runners): "paged" (openvino's
 # paged-attention transformation at load time: host-held block caches, rollback by past_lens;
 # cheaper target calls than the stateful IR at every verify width measured, docs/BENCHMARKS.md)
 # or "stateful" (the IR as exported: KV in ReadValue/Assign states, SDPA, mask-based rollback).
 # A manifest may set `target_runner`; a caller's choice wins over both. "hybrid": a target with
-# linear-attention layers (Qwen3.5), the only runner for one (ovdflash.hybrid: exact state rollback).
+# linear-attention layers (Qwen3.5), the only runner for one (ovdflash.ov.hybrid: exact state rollback).
 TARGET_RUNNERS = ("paged", "stateful", "hybrid")
 DEFAULT_TARGET_RUNNER = "paged"
 

@@ -4,11 +4,11 @@ Contract:
 - `DFlashPipeline.from_pretrained(model_dir=None, device="CPU", draft=True, cache_dir=None,
   precision=None, **compile_options)` reads an exported directory (ovdflash.manifest) and
   compiles both models with CACHE_DIR set. `precision` ("f32", the default, or "bf16") and the
-  compile options decide the numerics as `ovdflash.precision` says; `numerics` records them.
+  compile options decide the numerics as `ovdflash.ov.precision` says; `numerics` records them.
   `release_weight_pages` (default True) primes every kernel shape once and then drops the mapped IR
   files' resident pages, which the plugin no longer reads once it has repacked the weights.
   `wide_target` (None: where memory allows): a paged target with fp16 weights under f32 inference
-  also gets an f32-weight copy for its calls of many tokens, timed at load (ovdflash.wide_target;
+  also gets an f32-weight copy for its calls of many tokens, timed at load (ovdflash.ov.wide_target;
   output unchanged: the same f32 arithmetic on the same weight values). No directory = the
   embedded default model (`ovdflash_models.default.ensure_default_model()`). `draft=False`
   compiles the target only (autoregressive baseline). `use_draft_vocab=False` ignores a
@@ -25,10 +25,10 @@ Contract:
   manifest's `default_block_size` ("auto" when absent; `ovdflash export --default-block-size`;
   the embedded default model fixes 4, ahead of 2 and level with "auto" on Zen 3-5 hosts:
   docs/BENCHMARKS.md), the trained block size (`block_size`) for a pipeline built directly.
-  `generate_tokens(prompt_ids, ...)` is the token-level API (engine.TokenEvent per token).
+  `generate_tokens(prompt_ids, ...)` is the token-level API (sequence.TokenEvent per token).
 - `prompt_lookup` (from_pretrained, default True; per call: None = the pipeline's): rounds whose
   text so far ends with an n-gram seen earlier in it verify the tokens that followed it instead
-  of the drafter's (ovdflash.lookup; output unchanged). Only with the drafter in use.
+  of the drafter's (ovdflash.decode.lookup; output unchanged). Only with the drafter in use.
 - A prompt is a string (encoded with the tokenizer's special tokens, and the manifest's
   `bos_token_id` in front if the tokenizer did not add it), a list of chat messages (rendered
   with the chat template, which carries its own special tokens), or a list of token ids.
@@ -43,46 +43,48 @@ Contract:
 - `prefix_cache` (from_pretrained / constructor, default True; per call: None = the pipeline's):
   a call keeps the KV (and drafter context) of the longest prefix of its prompt that the previous
   call left in the runners (its prompt and committed output: a chat's earlier turns) and prefills
-  only the rest (ovdflash.prefix_cache; `stats.num_cached_prompt_tokens`). Output is unchanged.
+  only the rest (ovdflash.decode.prefix_cache; `stats.num_cached_prompt_tokens`). Output is unchanged.
   On a hybrid target it reuses only a prompt that extends the cached tokens. `prefix_store` is that
   cache; code that runs `target` or `drafter` itself calls `prefix_store.invalidate()`.
-- Stats: `last_stats` for the latest call, `stats` cumulative (ovdflash.stats).
+- Stats: `last_stats` for the latest call, `stats` cumulative (ovdflash.decode.stats).
 """
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import numpy as np
-
-from . import engine
-from .block_policy import BatchDraftPolicy, BlockPolicy, measure_batch_costs, measure_costs
-from .lookup import NgramLookup
+from .decode import sequence
+from .decode.block_policy import BatchDraftPolicy, BlockPolicy, measure_batch_costs, measure_costs
+from .decode.lookup import NgramLookup
+from .decode.prefix_cache import PrefixCache
+from .decode.sampling import SamplingParams
+from .decode.stats import GenerationStats
 from .manifest import load_manifest, parse_target_runner
-from .precision import Numerics, compile_config
-from .prefix_cache import PrefixCache
-from .sampling import SamplingParams
-from .stats import GenerationStats
+from .ov.precision import Numerics, compile_config
+from .text import (
+    GenerationResult,
+    check_messages,
+    check_positive_int,
+    check_stops,
+    check_token_ids,
+    extend_text,
+    held_back,
+)
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "ovdflash" / "ov_cache"
+
+
 CALIBRATION_PROMPT = "Explain in a few sentences how a CPU cache speeds up a program."
+
+
 # drafts per round that "auto" times on first use; longer blocks extend the cost curve linearly
 # (block_policy.measure_costs: each shape run costs resident memory). 4 drafts: a 5-token verify,
 # because 1-4 tokens cost about an AR step and a fifth a step more (docs/BENCHMARKS.md, Verify cost);
 # timed only up to 4 tokens, that jump was invisible and "auto" verified blocks past it.
 CALIBRATED_DRAFTS = 4
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or stop string), "length" (max_new_tokens), "context"
-    stats: GenerationStats
 
 
 def default_model_dir() -> Path:
@@ -111,8 +113,8 @@ class DFlashPipeline:
         self.stats = GenerationStats()       # cumulative
         self.last_stats = GenerationStats()  # latest call
         self.block_policy: BlockPolicy | None = None  # for block_size="auto"; built on first use
-        self.prompt_lookup = prompt_lookup  # n-gram lookup drafts beside the drafter's (ovdflash.lookup)
-        self.prefix_cache = prefix_cache  # reuse the KV of the previous call's tokens (ovdflash.prefix_cache)
+        self.prompt_lookup = prompt_lookup  # n-gram lookup drafts beside the drafter's (ovdflash.decode.lookup)
+        self.prefix_cache = prefix_cache  # reuse the KV of the previous call's tokens (ovdflash.decode.prefix_cache)
         self.prefix_store = PrefixCache(target, drafter)  # what the runners hold between calls
         self.numerics: Numerics | None = None  # the target's precisions, when built by from_pretrained
         self.vocab_size: int | None = None  # token ids must be below it, when known
@@ -129,7 +131,7 @@ class DFlashPipeline:
                         precision: str | None = None, release_weight_pages: bool = True,
                         prefix_cache: bool = True, wide_target: bool | None = None,
                         **compile_options) -> "DFlashPipeline":
-        from .runners import compile_runners  # openvino is only needed from here on
+        from .ov.compile import compile_runners  # openvino is only needed from here on
 
         if isinstance(model_dir, str) and not model_dir.strip():  # Path("") would quietly mean "."
             raise ValueError("model_dir is empty: give an ovdflash model directory, or None for the embedded default")
@@ -156,8 +158,8 @@ class DFlashPipeline:
 
     def release_weight_pages(self) -> int:
         """Run every kernel shape once (a prefill, a verify, an AR step), so the plugin has repacked
-        its weights, then drop the resident pages of the mapped IR files (ovdflash.memory)."""
-        from .memory import release_mapped_files
+        its weights, then drop the resident pages of the mapped IR files (ovdflash.ov.memory)."""
+        from .ov.memory import release_mapped_files
 
         kept = self.stats, self.last_stats  # not a user call: leave the stats alone
         self.stats = GenerationStats()
@@ -184,7 +186,7 @@ class DFlashPipeline:
                         eos_token_ids: Sequence[int] | None = None,
                         stats: GenerationStats | None = None,
                         prompt_lookup: bool | None = None,
-                        prefix_cache: bool | None = None) -> Iterator[engine.TokenEvent]:
+                        prefix_cache: bool | None = None) -> Iterator[sequence.TokenEvent]:
         params = SamplingParams(temperature, top_p, top_k, seed)
         prompt_ids = check_token_ids(prompt_ids, self.vocab_size)
         check_positive_int("max_new_tokens", max_new_tokens)
@@ -201,7 +203,7 @@ class DFlashPipeline:
         reuse = self.prefix_cache if prefix_cache is None else prefix_cache
         if self.prefix_store.target is not self.target or self.prefix_store.drafter is not self.drafter:
             self.prefix_store = PrefixCache(self.target, self.drafter)  # the runners were replaced
-        events = engine.generate(self.target, use_drafter, prompt_ids, max_new_tokens, params, eos,
+        events = sequence.generate(self.target, use_drafter, prompt_ids, max_new_tokens, params, eos,
                                  block_size if use_drafter is not None else 1, call_stats, policy, lookup,
                                  self.prefix_store, reuse_prefix=bool(reuse))
         return self._recorded(events, call_stats, stats)
@@ -304,13 +306,13 @@ class DFlashPipeline:
         try:
             for event in events:
                 result.token_ids.append(event.token)
-                text, stopped = _extend_text(text, event, detok, eos, stops)
+                text, stopped = extend_text(text, event, detok, eos, stops)
                 if stopped:  # this token completed a stop string: end here, mid-block or not
                     result.finish_reason = "stop"
                     break
                 result.finish_reason = event.finish_reason
                 if not event.from_draft or event.finish_reason:  # end of an accepted block
-                    safe = len(text) if event.finish_reason else len(text) - _held_back(text, stops)
+                    safe = len(text) if event.finish_reason else len(text) - held_back(text, stops)
                     if safe > emitted or every_round:
                         yield text[emitted:safe]
                         emitted = safe
@@ -358,7 +360,7 @@ class DFlashPipeline:
         current = self._batch_target
         if current is None or (pool_blocks is not None and pool_blocks != current.pool_blocks) \
                 or current.caches_prefixes != bool(self.prefix_cache):
-            from .batch_runners import batch_target_for
+            from .ov.paged_batch import batch_target_for
 
             self._batch_target = batch_target_for(self.target, pool_blocks, prefix_caching=bool(self.prefix_cache))
         return self._batch_target
@@ -366,7 +368,7 @@ class DFlashPipeline:
     def drafter_pool(self):
         """Drafters for batched sequences, on this pipeline's compiled drafter (made once; None without one)."""
         if self._drafter_pool is None and self.drafter is not None:
-            from .batch_runners import DrafterPool
+            from .ov.paged_batch import DrafterPool
 
             self._drafter_pool = DrafterPool(self.drafter)
         return self._drafter_pool
@@ -420,86 +422,3 @@ class DFlashPipeline:
                     batch.abort(i)
         return results
 
-
-def _extend_text(text: str, event, detok: IncrementalDetokenizer, eos, stops: list[str]) -> tuple[str, bool]:
-    """text with event's token decoded (EOS adds none); True, and cut there, when a stop string completed."""
-    delta = detok.add([event.token]) if event.token not in eos else ""
-    if event.finish_reason:
-        delta += detok.flush()
-    text += delta
-    cut = _find_stop(text, len(text) - len(delta), stops)
-    return (text, False) if cut is None else (text[:cut], True)
-
-
-def _find_stop(text: str, new_from: int, stops: list[str]) -> int | None:
-    """Start of the earliest stop string that ends in the new text, or None."""
-    best = None
-    for s in stops:
-        i = text.find(s, max(0, new_from - len(s) + 1))
-        if i >= 0 and (best is None or i < best):
-            best = i
-    return best
-
-
-def _held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of a stop string."""
-    longest = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:n]):
-                longest = n
-                break
-    return longest
-
-
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-
-
-def check_positive_int(name: str, value, what: str = "an integer >= 1") -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be {what}, got {value!r}")
-    return int(value)
-
-
-def check_token_ids(ids, vocab_size: int | None = None) -> list[int]:
-    """A prompt of token ids: integers (not bools, not bytes) in 0..vocab_size-1, at least one."""
-    if isinstance(ids, (str, bytes, bytearray)):
-        raise TypeError(f"token ids must be a list of integers, got {type(ids).__name__}")
-    out = []
-    for i, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-            raise TypeError(f"token ids must be integers: item {i} is {t!r}")
-        if t < 0 or (vocab_size is not None and t >= vocab_size):
-            bound = f"0..{vocab_size - 1}" if vocab_size is not None else ">= 0"
-            raise ValueError(f"token id {int(t)} at item {i} is out of range ({bound})")
-        out.append(int(t))
-    if not out:
-        raise ValueError("the prompt is empty")
-    return out
-
-
-def check_stops(stop) -> list[str]:
-    """Stop strings: None, a string, or a list of strings; an empty string is refused either way."""
-    if stop is None:
-        return []
-    items = [stop] if isinstance(stop, str) else stop
-    if not isinstance(items, (list, tuple)):
-        raise TypeError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
-    for i, s in enumerate(items):
-        if not isinstance(s, str):
-            raise TypeError(f"stop[{i}] must be a string, got {s!r}")
-        if not s:
-            raise ValueError("stop strings must not be empty" + (f" (stop[{i}])" if not isinstance(stop, str) else ""))
-    return list(items)
-
-
-def check_messages(messages: list) -> list[dict]:
-    """Chat messages: dicts with a known role and string content (assistant content may be empty)."""
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
-        if m.get("role") not in CHAT_ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.get('role')!r}")
-        if not isinstance(m.get("content"), str):
-            raise TypeError(f"messages[{i}].content must be a string, got {type(m.get('content')).__name__}")
-    return messages

@@ -3,11 +3,11 @@ import numpy as np
 import pytest
 
 from ovdflash import STRICT_F32, DFlashPipeline
-from ovdflash.batch_runners import DrafterPool, PoolExhaustedError, batch_target_for
-from ovdflash.lookup import NgramLookup
-from ovdflash.engine import generate
-from ovdflash.sampling import SamplingParams
-from ovdflash.scheduler import Scheduler
+from ovdflash.decode.lookup import NgramLookup
+from ovdflash.decode.sampling import SamplingParams
+from ovdflash.decode.scheduler import Scheduler
+from ovdflash.decode.sequence import generate
+from ovdflash.ov.paged_batch import DrafterPool, PoolExhaustedError, batch_target_for
 
 
 @pytest.fixture(scope="module")

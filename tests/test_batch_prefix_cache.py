@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from ovdflash import STRICT_F32, DFlashPipeline
-from ovdflash.batch_runners import DrafterPool, batch_target_for, block_digest
-from ovdflash.sampling import SamplingParams
-from ovdflash.scheduler import Scheduler
+from ovdflash.decode.sampling import SamplingParams
+from ovdflash.decode.scheduler import Scheduler
+from ovdflash.ov.paged_batch import DrafterPool, batch_target_for, block_digest
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,12 @@
 """The batched scheduler against mock runners: every sequence of a batch equals its run alone."""
 import numpy as np
 import pytest
-
 from mock_models import MockDrafter, MockTarget
-from ovdflash.engine import PromptTooLongError, generate
-from ovdflash.lookup import NgramLookup
-from ovdflash.sampling import SamplingParams
-from ovdflash.scheduler import Scheduler
+
+from ovdflash.decode.lookup import NgramLookup
+from ovdflash.decode.sampling import SamplingParams
+from ovdflash.decode.scheduler import Scheduler
+from ovdflash.decode.sequence import PromptTooLongError, generate
 
 VOCAB = 32
 TARGET_SEED = 11
@@ -198,8 +198,9 @@ def test_sampling_inside_a_batch_matches_the_exact_ar_distribution(load_aware):
     blocks of 4, or load-aware drafts) against the exactly enumerated AR distribution."""
     from collections import Counter
 
-    from ovdflash.block_policy import BatchDraftPolicy
     from test_sampling_stats import NUM_TOKENS, P_THRESHOLD, PROMPT, chisquare_p, exact_joint, marginal
+
+    from ovdflash.decode.block_policy import BatchDraftPolicy
 
     def make_target():
         return MockTarget(vocab_size=8, seed=11, sharpness=1.2)
@@ -225,7 +226,7 @@ def test_load_aware_sequences_held_at_ar_verify_lookup_drafts_in_free_room():
     """A drafter whose drafts are always wrong keeps every load-aware sequence at AR steps; where the
     call's cost is flat, the text's repeats still get their n-gram lookup drafts verified (no
     drafter call), on a steep curve much less, and every sequence equals its AR run alone."""
-    from ovdflash.block_policy import BatchDraftPolicy
+    from ovdflash.decode.block_policy import BatchDraftPolicy
 
     def cycle(seq):  # the target repeats the token 3 back, with a nudge so that cycles can break
         logits = np.zeros(VOCAB, dtype=np.float32)

@@ -13,7 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from ovdflash import STRICT_F32
-from ovdflash.bench import Run, bench, parse_block_sizes, run_benchmark, summarize
+from ovdflash.bench import Run, run_benchmark, summarize
+from ovdflash.cli.bench import bench, parse_block_sizes
 
 try:
     import openvino_genai  # noqa: F401
@@ -91,7 +92,7 @@ def test_agreement_detects_a_different_output():
 
 
 def test_an_acceptance_only_bench_reports_no_speedups_and_writes_strict_json():
-    from ovdflash.stats import GenerationStats
+    from ovdflash.decode.stats import GenerationStats
     spec = GenerationStats()
     spec.record_round(3, 2)   # 3 drafted, 2 accepted: 3 tokens a round
     runs = [Run("dflash@4", "code", 0, 3, 1.0, 0.1, [1, 2, 3], {"tpot_ms": 1.0}, foreign_cores=0.0, spec=spec)]
@@ -222,7 +223,7 @@ def test_plot_gives_every_mode_its_own_label_and_style(tmp_path):
 
 
 def test_cli_reports_progress_per_run_and_records_the_host(tiny_pair, tmp_path):
-    from ovdflash.env import collect
+    from ovdflash.ov.host import collect
 
     out = tmp_path / "bench"
     res = CliRunner().invoke(bench, [str(tiny_pair), "--prompt-sets", "code", "-n", "2", "--max-new-tokens", "4",

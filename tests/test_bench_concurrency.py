@@ -14,10 +14,11 @@ import pytest
 from click.testing import CliRunner
 
 from ovdflash import STRICT_F32, DFlashPipeline
-from ovdflash.bench import bench, encode_prompts
+from ovdflash.bench import encode_prompts
 from ovdflash.bench.concurrency import GenaiCBRunner, parse_concurrency, run_concurrency
+from ovdflash.cli.bench import bench
 from ovdflash.manifest import load_manifest
-from ovdflash.precision import compile_config
+from ovdflash.ov.precision import compile_config
 
 try:
     import openvino_genai  # noqa: F401

@@ -1,4 +1,4 @@
-"""Automatic block size (ovdflash.block_policy): the choice maths, the acceptance estimates,
+"""Automatic block size (ovdflash.decode.block_policy): the choice maths, the acceptance estimates,
 exploration, cost measurement, and losslessness of policy-driven generation (mocks and the real
 tiny OpenVINO pair under STRICT_F32).
 
@@ -7,13 +7,14 @@ cost per forward instead of sleeping, so what they check does not depend on how 
 machine is (a sleeping version failed once in CI on a noisy host)."""
 import numpy as np
 import pytest
-
 from mock_models import MockDrafter, MockTarget
-from ovdflash import STRICT_F32, DFlashPipeline, block_policy, engine
-from ovdflash.block_policy import BatchDraftPolicy, BlockPolicy, extend_linearly, measure_costs, nondecreasing
-from ovdflash.engine import generate
-from ovdflash.sampling import SamplingParams
-from ovdflash.stats import GenerationStats
+
+from ovdflash import STRICT_F32, DFlashPipeline
+from ovdflash.decode import block_policy, sequence
+from ovdflash.decode.block_policy import BatchDraftPolicy, BlockPolicy, extend_linearly, measure_costs, nondecreasing
+from ovdflash.decode.sampling import SamplingParams
+from ovdflash.decode.sequence import generate
+from ovdflash.decode.stats import GenerationStats
 
 GREEDY = SamplingParams()
 # a verify curve rising 3 ms per token after a 25 ms single step (ms for 1..8 tokens), a 4 ms draft
@@ -306,7 +307,7 @@ class VirtualClock:
 @pytest.fixture
 def clock(monkeypatch):
     virtual = VirtualClock()
-    monkeypatch.setattr(engine, "time", virtual)
+    monkeypatch.setattr(sequence, "time", virtual)
     monkeypatch.setattr(block_policy, "time", virtual)
     return virtual
 

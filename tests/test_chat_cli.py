@@ -1,14 +1,12 @@
 """`ovdflash chat` end to end on a tiny exported pair: --prompt, and the interactive mode in a pty."""
 import os
-import re
 import pty
+import re
 import select
 import signal
 import subprocess
 import sys
 import time
-
-import pytest
 
 CLI = [sys.executable, "-m", "ovdflash.cli", "chat"]
 
@@ -141,10 +139,10 @@ def test_chat_interactive_in_a_pty(tiny_pair, tmp_path):
 def test_ctrl_c_stops_the_reply_and_keeps_the_session(monkeypatch):
     """In-process with the mock pipeline: a KeyboardInterrupt mid-reply (Ctrl-C) ends that reply only."""
     from click.testing import CliRunner
+    from test_engine_mock import text_pipeline
 
     import ovdflash.pipeline
-    from ovdflash.chat import chat
-    from test_engine_mock import text_pipeline
+    from ovdflash.cli.chat import chat
 
     pipe = text_pipeline()
     seen_messages = []
@@ -171,10 +169,10 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_session(monkeypatch):
 
 def test_prompt_longer_than_the_context_is_a_clear_error(monkeypatch):
     from click.testing import CliRunner
+    from test_engine_mock import text_pipeline
 
     import ovdflash.pipeline
-    from ovdflash.chat import chat
-    from test_engine_mock import text_pipeline
+    from ovdflash.cli.chat import chat
 
     pipe = text_pipeline()
     pipe.target.max_length = 32

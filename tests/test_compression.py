@@ -16,8 +16,7 @@ import openvino as ov
 import pytest
 
 from ovdflash import STRICT_F32
-from ovdflash.graphs import drafter_for_runtime, read_layer_locators, target_for_runtime
-
+from ovdflash.ov.graphs import drafter_for_runtime, read_layer_locators, target_for_runtime
 
 _CACHE = {}
 

@@ -20,7 +20,7 @@ import openvino.opset13 as ops
 import pytest
 
 from ovdflash import STRICT_F32, DFlashPipeline
-from ovdflash.graphs import _slice_rows, drafter_for_runtime, find_embedding_gather, find_lm_head, read_draft_vocab
+from ovdflash.ov.graphs import _slice_rows, drafter_for_runtime, find_embedding_gather, find_lm_head, read_draft_vocab
 
 
 def drafter_feed(manifest, num_ctx, rng):

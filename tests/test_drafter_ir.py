@@ -13,10 +13,10 @@ import numpy as np
 import openvino as ov
 import pytest
 import torch
+from ovdflash_export.drafter import DFlashDrafter
 
 from ovdflash import STRICT_F32
-from ovdflash.graphs import drafter_for_runtime, find_embedding_gather, find_lm_head, target_for_runtime
-from ovdflash_export.drafter import DFlashDrafter
+from ovdflash.ov.graphs import drafter_for_runtime, find_embedding_gather, find_lm_head, target_for_runtime
 
 TOL = 1e-4
 

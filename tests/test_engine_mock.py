@@ -1,11 +1,11 @@
 """The speculative loop against mock runners whose logits we control."""
 import numpy as np
 import pytest
-
 from mock_models import MockDrafter, MockTarget
-from ovdflash.engine import PromptTooLongError, generate
-from ovdflash.sampling import SamplingParams
-from ovdflash.stats import GenerationStats
+
+from ovdflash.decode.sampling import SamplingParams
+from ovdflash.decode.sequence import PromptTooLongError, generate
+from ovdflash.decode.stats import GenerationStats
 
 GREEDY = SamplingParams()
 
@@ -151,6 +151,7 @@ def test_sampling_is_reproducible_with_a_seed():
 
 # -- the pipeline's text layer on the mock runners ------------------------------------------------
 from mock_models import byte_tokenizer  # noqa: E402
+
 from ovdflash.pipeline import DFlashPipeline  # noqa: E402
 from ovdflash.tokenizer import IncrementalDetokenizer  # noqa: E402
 
@@ -206,9 +207,9 @@ def test_streaming_holds_back_a_possible_stop_prefix():
 
 
 def test_stop_helpers():
-    from ovdflash.pipeline import _find_stop, _held_back
-    assert _held_back("abc</s", ["</stop>", "xyz"]) == 3
-    assert _held_back("abc", ["</stop>"]) == 0
+    from ovdflash.text import _find_stop, held_back
+    assert held_back("abc</s", ["</stop>", "xyz"]) == 3
+    assert held_back("abc", ["</stop>"]) == 0
     assert _find_stop("ab</stop>cd", 5, ["</stop>", "cd"]) == 2
     assert _find_stop("ab</stop>cd", 9, ["</stop>"]) is None  # ended before the new text
 

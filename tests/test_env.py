@@ -6,9 +6,9 @@ import pytest
 from click.testing import CliRunner
 
 from ovdflash.cli import main
-from ovdflash.env import ISA_FLAGS, PACKAGES, collect, isa_flags
 from ovdflash.manifest import load_manifest
-from ovdflash.precision import compile_config, host_precisions
+from ovdflash.ov.host import ISA_FLAGS, PACKAGES, collect, isa_flags
+from ovdflash.ov.precision import compile_config, host_precisions
 
 
 def test_text_output_names_every_collected_fact():

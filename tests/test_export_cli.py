@@ -126,9 +126,10 @@ def test_the_manifest_default_block_size_is_what_a_call_without_one_gets(tiny_pa
 def test_the_manifest_draft_pass_sets_how_many_tokens_a_drafter_pass_runs(tiny_sources, tiny_pair, tmp_path):
     import shutil
 
-    from ovdflash import STRICT_F32, DFlashPipeline
     from ovdflash_export.drafter import SHORT_BLOCKS_KEY
     from ovdflash_export.exporter import export_pair
+
+    from ovdflash import STRICT_F32, DFlashPipeline
 
     model = tmp_path / "model"
     shutil.copytree(tiny_pair, model)
@@ -185,7 +186,7 @@ def test_cli_module_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, ovdflash.cmd_export; from ovdflash.cli import main; main.get_command(None, 'export'); "
+    code = ("import sys, ovdflash.cli.export; from ovdflash.cli import main; main.get_command(None, 'export'); "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'optimum', 'nncf', "
             "'ovdflash_export'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -4,8 +4,9 @@
 statement wherever it stands (a function-level import is still an edge: it runs whenever that
 function does), resolves relative imports to module names and returns the circles of the package's
 own module graph, each as a path `[a, b, ..., a]`. The export stage (`ovdflash_export`) and the
-model fetching (`ovdflash_models`) must have none; the runtime (`ovdflash`) is checked the same
-way but still has circles. The runtime also never imports the torch side anywhere: only the two
+model fetching (`ovdflash_models`) and the runtime (`ovdflash`) must have none, and the runtime
+keeps its layers: `decode/` imports only itself (no OpenVINO), `ov/` never imports the pipeline,
+the server or the bench, `server/` never imports the bench, and nothing imports `cli/`. The runtime also never imports the torch side anywhere: only the two
 CLI commands that front the export stage import `ovdflash_export` (`tests/test_no_torch.py`
 checks what importing and running the runtime loads; this checks every module's source).
 """
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # the import name of each package and its directory (pyproject's [tool.setuptools.package-dir])
 PACKAGES = {"ovdflash": ROOT / "ovdflash", "ovdflash_export": ROOT / "export", "ovdflash_models": ROOT / "models"}
 # the CLI commands whose work is the export stage: they import it, inside the command where it is heavy
-EXPORT_FRONTS = {"ovdflash.cmd_export", "ovdflash.cmd_train"}
+EXPORT_FRONTS = {"ovdflash.cli.export", "ovdflash.cli.train"}
 
 
 def package_modules(package_dir: Path, package_name: str) -> dict[str, Path]:
@@ -148,14 +149,44 @@ def assert_no_cycles(package_name: str):
     assert not cycles, f"import circles in {package_name}:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
-@pytest.mark.parametrize("package_name", ["ovdflash_export", "ovdflash_models"])
+@pytest.mark.parametrize("package_name", ["ovdflash", "ovdflash_export", "ovdflash_models"])
 def test_no_import_cycles(package_name):
     assert_no_cycles(package_name)
 
 
-@pytest.mark.xfail(reason="runtime restructuring pending", strict=False)
-def test_no_import_cycles_in_runtime():
-    assert_no_cycles("ovdflash")
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that cross the runtime's layers the wrong way (CONTRIBUTING.md, the import rules)."""
+    def within(module, package):
+        return module == package or module.startswith(package + ".")
+
+    bad = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if within(target, "ovdflash.cli") and not within(module, "ovdflash.cli"):
+                bad.append(f"{module} imports {target}: the CLI is imported by nothing")
+            if within(module, "ovdflash.decode") and not within(target, "ovdflash.decode"):
+                bad.append(f"{module} imports {target}: decode imports only decode")
+            if within(module, "ovdflash.ov") and (target == "ovdflash.pipeline" or within(target, "ovdflash.server")
+                                                  or within(target, "ovdflash.bench")):
+                bad.append(f"{module} imports {target}: runners never import the pipeline or its users")
+            if within(module, "ovdflash.server") and within(target, "ovdflash.bench"):
+                bad.append(f"{module} imports {target}: the server does not import the bench")
+    return bad
+
+
+def test_the_runtime_keeps_its_layers():
+    assert not (bad := layer_violations(import_graph(PACKAGES["ovdflash"], "ovdflash"))), "\n".join(bad)
+    # decode/ never touches OpenVINO, directly or through a module outside it
+    decode = package_modules(PACKAGES["ovdflash"] / "decode", "ovdflash.decode")
+    assert not [m for m, path in decode.items() if any(n.split(".")[0] == "openvino" for n in imported_names(path, m))]
+
+
+def test_the_layer_rules_catch_a_planted_import():
+    graph = {"ovdflash.decode.sampling": {"ovdflash.ov.runners"}, "ovdflash.server.app": {"ovdflash.cli.serve"},
+             "ovdflash.ov.paged": {"ovdflash.pipeline"}, "ovdflash.cli.chat": {"ovdflash.pipeline"}}
+    assert [line.split(":")[0] for line in layer_violations(graph)] == [
+        "ovdflash.decode.sampling imports ovdflash.ov.runners", "ovdflash.ov.paged imports ovdflash.pipeline",
+        "ovdflash.server.app imports ovdflash.cli.serve"]
 
 
 def test_the_checker_finds_a_planted_circle(tmp_path):

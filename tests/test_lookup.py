@@ -3,12 +3,12 @@
 the drafter still sees every committed token's features in order."""
 import numpy as np
 import pytest
-
 from mock_models import MockDrafter, MockTarget
-from ovdflash.engine import generate
-from ovdflash.lookup import NgramLookup
-from ovdflash.sampling import SamplingParams
-from ovdflash.stats import GenerationStats
+
+from ovdflash.decode.lookup import NgramLookup
+from ovdflash.decode.sampling import SamplingParams
+from ovdflash.decode.sequence import generate
+from ovdflash.decode.stats import GenerationStats
 
 
 def brute_force(tokens, k, min_n, max_n):

@@ -19,7 +19,7 @@ import openvino as ov
 import pytest
 
 from ovdflash import STRICT_F32, DFlashPipeline
-from ovdflash.stats import GenerationStats
+from ovdflash.decode.stats import GenerationStats
 
 NUM_PROMPTS = 50
 
@@ -159,7 +159,7 @@ def test_default_precision_divergence_report(tiny_pair, tmp_path_factory, config
 def test_every_target_gets_an_f32_kv_cache_unless_told(tiny_pair, tmp_path_factory):
     """precision.compile_config: f32 KV for any model (a rounded cache lets DFlash drift
     from AR); the manifest's compile_options and the caller's settings win over it."""
-    from ovdflash.precision import compile_config
+    from ovdflash.ov.precision import compile_config
 
     assert compile_config({"target": {"source": "/x/qwen.gguf"}})[0]["KV_CACHE_PRECISION"] == "f32"
     assert compile_config({"compile_options": {"KV_CACHE_PRECISION": "u8"}})[0]["KV_CACHE_PRECISION"] == "u8"
@@ -174,7 +174,7 @@ def test_every_target_gets_an_f32_kv_cache_unless_told(tiny_pair, tmp_path_facto
 
 
 def test_drafter_compiles_without_dynamic_quantization_unless_told(tiny_pair, tmp_path_factory):
-    """runners.DRAFTER_DEFAULTS: the drafter alone drops dynamic quantization (cheaper for its
+    """compile.DRAFTER_DEFAULTS: the drafter alone drops dynamic quantization (cheaper for its
     few rows per call); the target keeps the plugin's choice; a user's setting wins for both."""
     cache = tmp_path_factory.mktemp("ov_cache_dq")
     key = "DYNAMIC_QUANTIZATION_GROUP_SIZE"
@@ -187,7 +187,7 @@ def test_drafter_compiles_without_dynamic_quantization_unless_told(tiny_pair, tm
 
 
 def test_fp16_target_compiles_without_the_compile_cache(export_tiny_pair, tmp_path_factory):
-    """runners.FP16_UNCACHED: an fp16 target is compiled fresh (its cached import is slow on the
+    """compile.FP16_UNCACHED: an fp16 target is compiled fresh (its cached import is slow on the
     CPU plugin), its drafter still goes through CACHE_DIR; an fp32 target is cached as before."""
     for fmt, expected_blobs in (("fp16", 1), ("fp32", 2)):
         cache = tmp_path_factory.mktemp(f"ov_cache_{fmt}")

@@ -1,13 +1,13 @@
 """Resident memory: a loaded pipeline drops the mapped IR weight pages and decodes the same tokens.
 
 `from_pretrained` primes every kernel shape and then advises away the resident pages of the mapped
-`openvino_model.bin` files (ovdflash.memory); the pages are clean file pages, so output cannot change.
+`openvino_model.bin` files (ovdflash.ov.memory); the pages are clean file pages, so output cannot change.
 """
 import numpy as np
 import pytest
 
 from ovdflash import STRICT_F32, DFlashPipeline
-from ovdflash.memory import mapped_resident_bytes, release_mapped_files
+from ovdflash.ov.memory import mapped_resident_bytes, release_mapped_files
 
 pytestmark = pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="needs Linux /proc")
 

@@ -14,10 +14,19 @@ import numpy as np
 import openvino as ov
 import pytest
 
-from ovdflash import batch_runners, runners
-from ovdflash.batch_runners import (batch_target_for, block_tokens_of, cache_inputs_of, default_pool_blocks,
-                                    describe_pool, paged_compiled, pool_bytes_per_block)
 from ovdflash.manifest import load_manifest
+from ovdflash.ov import paged_batch as batch_runners
+from ovdflash.ov import compile as ov_compile
+from ovdflash.ov import runners
+from ovdflash.ov.paged_batch import (
+    batch_target_for,
+    block_tokens_of,
+    cache_inputs_of,
+    default_pool_blocks,
+    describe_pool,
+    paged_compiled,
+    pool_bytes_per_block,
+)
 
 
 class RecordingCore(ov.Core):
@@ -35,23 +44,23 @@ class RecordingCore(ov.Core):
 @pytest.mark.parametrize("target_runner", ["paged", "stateful"])
 def test_every_cpu_compile_is_bounded(tiny_pair, target_runner):
     core = RecordingCore()
-    runners.compile_runners(tiny_pair, load_manifest(tiny_pair), "CPU", {}, core=core, target_runner=target_runner)
+    ov_compile.compile_runners(tiny_pair, load_manifest(tiny_pair), "CPU", {}, core=core, target_runner=target_runner)
     assert len(core.configs) == 2  # target and drafter
     for config in core.configs:
-        assert config["CPU_RUNTIME_CACHE_CAPACITY"] == str(runners.RUNTIME_CACHE_CAPACITY)
+        assert config["CPU_RUNTIME_CACHE_CAPACITY"] == str(ov_compile.RUNTIME_CACHE_CAPACITY)
     # a value the caller sets wins
     core = RecordingCore()
-    runners.compile_runners(tiny_pair, load_manifest(tiny_pair), "CPU", {"CPU_RUNTIME_CACHE_CAPACITY": "7"}, core=core)
+    ov_compile.compile_runners(tiny_pair, load_manifest(tiny_pair), "CPU", {"CPU_RUNTIME_CACHE_CAPACITY": "7"}, core=core)
     assert {c["CPU_RUNTIME_CACHE_CAPACITY"] for c in core.configs} == {"7"}
-    assert "CPU_RUNTIME_CACHE_CAPACITY" not in runners.cpu_defaults("GPU", {})
+    assert "CPU_RUNTIME_CACHE_CAPACITY" not in ov_compile.cpu_defaults("GPU", {})
 
 
 def test_hybrid_compiles_are_bounded(export_tiny_pair):
     model_dir = export_tiny_pair(arch="qwen3_5_text")
     core = RecordingCore()
-    runners.compile_runners(model_dir, load_manifest(model_dir), "CPU", {}, core=core, target_runner="hybrid")
+    ov_compile.compile_runners(model_dir, load_manifest(model_dir), "CPU", {}, core=core, target_runner="hybrid")
     assert len(core.configs) == 3  # the hybrid target, its replay graph and the drafter
-    assert all(c["CPU_RUNTIME_CACHE_CAPACITY"] == str(runners.RUNTIME_CACHE_CAPACITY) for c in core.configs)
+    assert all(c["CPU_RUNTIME_CACHE_CAPACITY"] == str(ov_compile.RUNTIME_CACHE_CAPACITY) for c in core.configs)
 
 
 def test_distinct_lengths_leave_nothing_behind(tiny_pair, tmp_path, monkeypatch):
@@ -86,7 +95,7 @@ def test_distinct_lengths_leave_nothing_behind(tiny_pair, tmp_path, monkeypatch)
     for i, single in enumerate(singles):  # batching and new shapes change no output
         assert outs[i] == single
     # more distinct shapes than the plugin may keep executors for: the bound is what keeps it finite
-    assert max(len(s) for s in shapes.values()) > runners.RUNTIME_CACHE_CAPACITY
+    assert max(len(s) for s in shapes.values()) > ov_compile.RUNTIME_CACHE_CAPACITY
     # nothing per request is kept once it ended
     target = batch.scheduler.target
     assert not batch.requests and not batch.scheduler.running and not batch.scheduler.waiting
@@ -115,7 +124,7 @@ def test_default_pool_is_one_context_capped_by_memory(tiny_pair, tmp_path):
 
 
 def test_free_heap_goes_back_on_glibc():
-    from ovdflash.memory import release_free_heap
+    from ovdflash.ov.memory import release_free_heap
 
     blocks = [bytearray(64 << 10) for _ in range(2000)]  # 128 MB of the C heap, then freed
     del blocks

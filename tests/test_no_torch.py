@@ -23,7 +23,7 @@ CHECK = f"""
 def test_importing_the_runtime_does_not_import_torch():
     out = run_isolated("""
         import sys
-        import ovdflash, ovdflash.pipeline, ovdflash.chat, ovdflash.runners, ovdflash.engine
+        import ovdflash, ovdflash.pipeline, ovdflash.cli.chat, ovdflash.ov.runners, ovdflash.decode.sequence
         from ovdflash.cli import main
         main.get_command(None, "chat")
     """)

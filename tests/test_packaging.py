@@ -40,7 +40,8 @@ def test_the_wheel_ships_what_the_runtime_and_the_export_stage_read(wheel):
     assert templates and {f"ovdflash_export/training/templates/{t}" for t in templates} <= names
     modules = {str(p.relative_to(ROOT / "export")) for p in (ROOT / "export").rglob("*.py")}
     assert {f"ovdflash_export/{m}" for m in modules} <= names
-    assert "ovdflash/cli.py" in names and "ovdflash_models/default.py" in names
+    runtime = {str(p.relative_to(ROOT)) for p in (ROOT / "ovdflash").rglob("*.py")}
+    assert runtime <= names and "ovdflash/cli/__init__.py" in names and "ovdflash_models/default.py" in names
 
 
 def test_the_wheel_leaves_out_the_training_data_and_its_build_is_quiet(wheel):

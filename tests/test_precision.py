@@ -11,7 +11,7 @@ import openvino as ov
 import pytest
 
 from ovdflash import DFlashPipeline
-from ovdflash.precision import PRECISIONS, compile_config, host_precisions, resolve
+from ovdflash.ov.precision import PRECISIONS, compile_config, host_precisions, resolve
 
 RUNNERS = ("paged", "stateful")
 OFFERED = host_precisions()

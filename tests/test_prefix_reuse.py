@@ -1,4 +1,4 @@
-"""Prefix reuse across calls (ovdflash.prefix_cache) on the tiny pair under STRICT_F32: a call that
+"""Prefix reuse across calls (ovdflash.decode.prefix_cache) on the tiny pair under STRICT_F32: a call that
 keeps the previous call's KV and drafter context for its prompt's common prefix gives the same
 tokens as a pipeline that prefills every prompt whole (greedy and seeded sampling), on the paged
 and the stateful runner, and prefills only the new tokens (from its stats). Covered: chat turns
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ovdflash import STRICT_F32, DFlashPipeline
-from ovdflash.prefix_cache import PrefixCache, common_prefix_length
+from ovdflash.decode.prefix_cache import PrefixCache, common_prefix_length
 
 MAX_NEW = 24
 
@@ -213,11 +213,11 @@ def test_a_call_broken_inside_a_round_starts_the_next_afresh(pipes, monkeypatch)
 
 
 def test_a_cache_of_other_runners_is_refused(pipes):
-    from ovdflash import engine
-    from ovdflash.sampling import SamplingParams
+    from ovdflash.decode import sequence
+    from ovdflash.decode.sampling import SamplingParams
 
     pipe, ref = pipes
-    events = engine.generate(pipe.target, pipe.drafter, [1, 2], 4, SamplingParams(), (), 4,
+    events = sequence.generate(pipe.target, pipe.drafter, [1, 2], 4, SamplingParams(), (), 4,
                              prefix_cache=PrefixCache(ref.target, ref.drafter))
     with pytest.raises(ValueError, match="other runners"):
         next(events)

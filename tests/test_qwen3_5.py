@@ -16,12 +16,12 @@ import numpy as np
 import openvino as ov
 import pytest
 import torch
+from test_lossless import OracleDrafter, random_prompts, tokens
 
 from ovdflash import STRICT_F32, DFlashPipeline
-from ovdflash.hybrid import CONV_STATE, RECURRENT_STATE, compile_hybrid_target
-from ovdflash.runners import kv_seq_axes
-from ovdflash.stats import GenerationStats
-from test_lossless import OracleDrafter, random_prompts, tokens
+from ovdflash.decode.stats import GenerationStats
+from ovdflash.ov.hybrid import CONV_STATE, RECURRENT_STATE, compile_hybrid_target
+from ovdflash.ov.runners import kv_seq_axes
 
 ARCH = "qwen3_5_text"
 LAYER_IDS = (1, 3)
@@ -206,7 +206,6 @@ def test_dflash_sampling_matches_ar_on_the_hybrid_target(pair, tmp_path):
     """Two-sample chi-square (contingency) of tokens 1..3, DFlash vs AR, the target as its own drafter
     (often accepted, often not: both the acceptance and the residual path, with replays)."""
     from scipy import stats as sps
-
     from test_sampling_stats import P_THRESHOLD, SelfDrafter
 
     pipe = DFlashPipeline.from_pretrained(pair, cache_dir=tmp_path, INFERENCE_NUM_THREADS=1, **STRICT_F32)
@@ -237,10 +236,9 @@ def test_dflash_sampling_matches_ar_on_the_hybrid_target(pair, tmp_path):
 def test_the_qwen3_5_wrapper_layout_loads_its_text_model(pair, hf, tmp_path):
     """A `qwen3_5` checkpoint (text model under `model.language_model`, config under `text_config`)
     gives the same text model, and the pair validation reads its text geometry."""
-    from safetensors.torch import save_file
-
     from ovdflash_export.exporter import validate_pair
     from ovdflash_export.qwen3_5 import load_text_model
+    from safetensors.torch import save_file
 
     source = json.loads((pair / "target" / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": source}))

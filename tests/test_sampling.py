@@ -3,8 +3,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from ovdflash.sampling import (SamplingParams, accept, accept_greedy, accept_sampled, sample_token,
-                               warp_probs)
+from ovdflash.decode.sampling import SamplingParams, accept, accept_greedy, accept_sampled, sample_token, warp_probs
 
 NEG = -1e9
 

@@ -8,15 +8,14 @@ classic bug (on rejection, resampling from p without removing the rejected draft
 The same comparison then runs once through the real tiny OpenVINO target (two-sample contingency,
 DFlash vs AR), with the target as its own drafter so that both acceptance and residual paths run.
 """
-import itertools
 
 import numpy as np
 import pytest
+from mock_models import MockDrafter, MockTarget
 from scipy import stats as sps
 
-import ovdflash.engine as engine
-from mock_models import MockDrafter, MockTarget
-from ovdflash.sampling import SamplingParams, sample_from, warp_probs
+from ovdflash.decode import sequence
+from ovdflash.decode.sampling import SamplingParams, sample_from, warp_probs
 
 P_THRESHOLD = 1e-3
 VOCAB = 8
@@ -67,7 +66,7 @@ def sample_counts(target, drafter, params, n, prompt=PROMPT, lookup=None, stats=
     counts = {}
     for i in range(n):
         p = SamplingParams(params.temperature, params.top_p, params.top_k, seed=i)
-        seq = tuple(e.token for e in engine.generate(target, drafter, prompt, NUM_TOKENS, p, stats=stats,
+        seq = tuple(e.token for e in sequence.generate(target, drafter, prompt, NUM_TOKENS, p, stats=stats,
                                                      lookup=lookup))
         counts[seq] = counts.get(seq, 0) + 1
     return counts
@@ -104,8 +103,8 @@ LOOKUP_PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats itself: n-gram lookup drafts
 @pytest.mark.parametrize("setting", ["temperature", "top_p"])
 def test_sampling_with_lookup_drafts_matches_exact_ar_distribution(mock_pair, setting):
     """Lookup drafts are one-hot proposals too: the emitted tokens keep the AR distribution."""
-    from ovdflash.lookup import NgramLookup
-    from ovdflash.stats import GenerationStats
+    from ovdflash.decode.lookup import NgramLookup
+    from ovdflash.decode.stats import GenerationStats
     target, drafter = mock_pair
     stats = GenerationStats()
     spec = p_values(target, drafter, SETTINGS[setting], LOOKUP_PROMPT, NgramLookup(), stats)
@@ -125,17 +124,17 @@ def test_negative_control_biased_residual_is_detected(mock_pair, monkeypatch):
                 return i, sample_from(warp_probs(logits[i], params), rng) if i < len(drafts) else token
         raise AssertionError
 
-    monkeypatch.setattr(engine, "accept_at_positions", biased_accept)
+    monkeypatch.setattr(sequence, "accept_at_positions", biased_accept)
     target, drafter = mock_pair
     assert min(p_values(target, drafter, SETTINGS["temperature"]).values()) < P_THRESHOLD
 
 
 def test_mock_round_used_both_accept_and_reject_paths(mock_pair):
-    from ovdflash.stats import GenerationStats
+    from ovdflash.decode.stats import GenerationStats
     target, drafter = mock_pair
     stats = GenerationStats()
     for seed in range(200):
-        list(engine.generate(target, drafter, PROMPT, NUM_TOKENS, SamplingParams(temperature=1.0, seed=seed),
+        list(sequence.generate(target, drafter, PROMPT, NUM_TOKENS, SamplingParams(temperature=1.0, seed=seed),
                              stats=stats))
     assert set(stats.acceptance_length_histogram) == {1, 2, 3, 4}
 

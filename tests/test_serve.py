@@ -394,10 +394,10 @@ def test_a_signal_ends_open_streams_cleanly_and_exits_0(tiny_pair, tmp_path, sig
 
 def test_serve_without_model_dir_uses_the_embedded_default(tiny_pair, monkeypatch):
     from click.testing import CliRunner
+    from ovdflash_models import default as default_mod
 
     from ovdflash.cli import main
     from ovdflash.server import app as app_module
-    from ovdflash_models import default as default_mod
 
     calls, served = [], []
     monkeypatch.setattr(default_mod, "ensure_default_model", lambda *a, **k: calls.append(1) or tiny_pair)
@@ -429,11 +429,11 @@ def test_serve_refuses_bad_options_in_one_line(tiny_pair, args, words):
 
 
 def test_the_runtime_does_not_import_the_server_and_the_server_not_torch():
-    code = ("import sys, ovdflash.pipeline, ovdflash.cmd_serve\n"
+    code = ("import sys, ovdflash.pipeline, ovdflash.cli.serve\n"
             "from ovdflash.cli import main\n"
             "main.get_command(None, 'serve'); main.get_command(None, 'bench-serve')\n"
             "print('BEFORE', sorted({m.split('.')[0] for m in sys.modules} & {'fastapi', 'uvicorn', 'starlette'}))\n"
-            "import ovdflash.server.app, ovdflash.server.load\n"
+            "import ovdflash.server.app, ovdflash.bench.load\n"
             "print('AFTER', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'ovdflash_export'}))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

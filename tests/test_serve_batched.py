@@ -1,4 +1,4 @@
-"""The server with continuous batching (BatchedScheduler) over the tiny pair, served from a thread.
+"""The server with continuous batching (BatchedBackend) over the tiny pair, served from a thread.
 
 Checked: concurrent clients (chat and completions, streamed or not, greedy and seeded sampling,
 stop strings) get exactly the pipeline's text alone while their rounds share target calls; the
@@ -17,9 +17,9 @@ import pytest
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
 import openai  # noqa: E402
-
-from ovdflash.batch_runners import paged_compiled, pool_bytes_per_block  # noqa: E402
 from test_serve import free_port, scrape  # noqa: E402
+
+from ovdflash.ov.paged_batch import paged_compiled, pool_bytes_per_block  # noqa: E402
 
 PROMPTS = ["Tell me a story about a cat.", "What is 2 + 2?", "Write a haiku about rain.", "List three colours.",
            "Why is the sky blue?", "Say hello in French.", "Name a prime number.", "Describe a tree."]
@@ -37,8 +37,8 @@ def serving(pipe, **options):
     """(url, engine) of a fresh batched app over `pipe`, served from a thread."""
     import uvicorn
 
-    from ovdflash.cmd_serve import build_server_app
     from ovdflash.server.app import DrainingServer
+    from ovdflash.server.wiring import build_server_app
 
     app = build_server_app(pipe, ["tiny"], **{"max_num_seqs": 4, **options})
     port = free_port()
@@ -142,7 +142,7 @@ def test_a_small_pool_lowers_the_context_limit_and_a_larger_request_is_a_400(pip
         assert info.value.code == "context_length_exceeded"
         ok = client_for(url).completions.create(model="tiny", prompt="Hi", max_tokens=2, temperature=0)
         assert ok.choices[0].finish_reason == "length"
-    from ovdflash.cmd_serve import build_server_app
+    from ovdflash.server.wiring import build_server_app
 
     with pytest.raises(ValueError, match=f"holds {block_tokens} tokens of KV cache, fewer than --max-model-len"):
         build_server_app(pipe, ["tiny"], max_num_seqs=2, kv_cache_memory_bytes=str(per_block),

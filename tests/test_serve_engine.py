@@ -78,8 +78,8 @@ def serving(pipe, **options):
     """(url, paced pipeline, engine) of a fresh app over `pipe`, served from a thread."""
     import uvicorn
 
-    from ovdflash.cmd_serve import build_server_app
     from ovdflash.server.app import DrainingServer
+    from ovdflash.server.wiring import build_server_app
 
     paced = PacedPipeline(pipe)
     app = build_server_app(paced, ["tiny"], block_size=4, **options)

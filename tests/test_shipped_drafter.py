@@ -30,7 +30,7 @@ def _eval_prompts(domain, n):
 
 
 def test_shipped_drafter_is_lossless_and_accepts(default_pipe):
-    from ovdflash.stats import GenerationStats
+    from ovdflash.decode.stats import GenerationStats
 
     pipe = default_pipe
     total = GenerationStats()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ovdflash import STRICT_F32
-from ovdflash.graphs import drafter_for_runtime, target_for_runtime
+from ovdflash.ov.graphs import drafter_for_runtime, target_for_runtime
 
 pytestmark = pytest.mark.slow
 TOL = 1e-4

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ovdflash import STRICT_F32
-from ovdflash.graphs import LOCATOR_KEY, read_layer_locators, target_for_runtime
+from ovdflash.ov.graphs import LOCATOR_KEY, read_layer_locators, target_for_runtime
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 # the default pairs, shared with the runtime tests (test_rollback.py, test_lossless.py)

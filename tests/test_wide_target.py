@@ -8,13 +8,15 @@ import numpy as np
 import openvino as ov
 import pytest
 
-from ovdflash import STRICT_F32, DFlashPipeline, graphs
-from ovdflash.batch_runners import DrafterPool, batch_target_for
+from ovdflash import STRICT_F32, DFlashPipeline
+from ovdflash.decode.sampling import SamplingParams
+from ovdflash.decode.scheduler import Scheduler
 from ovdflash.manifest import load_manifest
-from ovdflash.precision import host_precisions
-from ovdflash.runners import OVPagedTarget, compile_runners
-from ovdflash.sampling import SamplingParams
-from ovdflash.scheduler import Scheduler
+from ovdflash.ov import graphs
+from ovdflash.ov.compile import compile_runners
+from ovdflash.ov.paged_batch import DrafterPool, batch_target_for
+from ovdflash.ov.precision import host_precisions
+from ovdflash.ov.runners import OVPagedTarget
 
 CONFIG = {"INFERENCE_NUM_THREADS": 1, "CACHE_DIR": "", **STRICT_F32}
 
@@ -69,7 +71,7 @@ def test_wide_calls_run_on_the_copy_and_share_the_cache(runners):
 
 
 def test_greedy_dflash_on_the_copy_equals_ar(fp16_pair, runners):
-    from ovdflash.engine import generate
+    from ovdflash.decode.sequence import generate
 
     target, drafter = runners
     rng = np.random.default_rng(1)
@@ -80,7 +82,7 @@ def test_greedy_dflash_on_the_copy_equals_ar(fp16_pair, runners):
 
 
 def test_a_batch_runs_wide_calls_on_the_copy(runners):
-    from ovdflash.engine import generate
+    from ovdflash.decode.sequence import generate
 
     target, drafter = runners
     batch = batch_target_for(target, pool_blocks=64, prefix_caching=False)
@@ -130,8 +132,8 @@ def test_no_copy_for_fp32_weights_bf16_inference_or_when_turned_off(tiny_pair, f
 
 
 def test_the_f32_ir_is_written_once_per_target_file_and_its_pages_released(fp16_pair, tmp_path, monkeypatch):
-    from ovdflash import wide_target
-    from ovdflash.memory import mapped_resident_bytes
+    from ovdflash.ov import wide_target
+    from ovdflash.ov.memory import mapped_resident_bytes
 
     xml = fp16_pair / "target" / "openvino_model.xml"
     first = wide_target.f32_weights_ir(xml, tmp_path)
@@ -154,7 +156,7 @@ def test_the_f32_ir_is_written_once_per_target_file_and_its_pages_released(fp16_
 
 
 def test_auto_builds_the_copy_only_where_memory_allows(fp16_pair, monkeypatch):
-    from ovdflash import wide_target
+    from ovdflash.ov import wide_target
 
     bin_path = fp16_pair / "target" / "openvino_model.bin"
     size = bin_path.stat().st_size

@@ -1,4 +1,4 @@
-"""A chat's second-turn TTFT with and without prefix reuse (ovdflash.prefix_cache).
+"""A chat's second-turn TTFT with and without prefix reuse (ovdflash.decode.prefix_cache).
 
 Each conversation: turn 1 is generated, then turn 2 (the whole conversation re-encoded, as
 `ovdflash chat` does) is timed with the cache on (prefills only the new tokens) and off (prefills

@@ -3,7 +3,7 @@
 Usage: python tools/compare_precisions.py MODEL_DIR [-n 4] [--max-new-tokens 96] [--blocks 4,8]
        [--runner paged] [--json OUT]
 
-For each precision the CPU offers (`ovdflash.precision.host_precisions`) one pipeline is loaded; then
+For each precision the CPU offers (`ovdflash.ov.precision.host_precisions`) one pipeline is loaded; then
 for each eval prompt (models/prompts/eval_{code,math,chat}.jsonl, the first n of each), AR and DFlash
 at each block run greedily, precisions interleaved prompt by prompt. Reported per precision and set:
 median tok/s, how many prompts DFlash's reply equals that precision's AR reply token for token, the
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ovdflash import DFlashPipeline
-from ovdflash.precision import PRECISIONS, host_precisions
+from ovdflash.ov.precision import PRECISIONS, host_precisions
 
 SETS = ("code", "math", "chat")
 PROMPTS = Path(__file__).resolve().parents[1] / "models" / "prompts"

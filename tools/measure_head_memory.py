@@ -24,8 +24,8 @@ def run_variant(model_dir: Path, variant: str, config_name: str) -> dict:
     import openvino as ov
 
     from ovdflash import STRICT_F32
-    from ovdflash.graphs import drafter_for_runtime, target_for_runtime
     from ovdflash.manifest import load_manifest
+    from ovdflash.ov.graphs import drafter_for_runtime, target_for_runtime
 
     config = STRICT_F32 if config_name == "strict" else {}
     m = load_manifest(model_dir)
@@ -45,7 +45,7 @@ def run_variant(model_dir: Path, variant: str, config_name: str) -> dict:
     if variant in ("grafted", "vocab"):
         vocab = None
         if variant == "vocab":
-            from ovdflash.graphs import read_draft_vocab
+            from ovdflash.ov.graphs import read_draft_vocab
             vocab = read_draft_vocab(model_dir / "drafter" / "draft_vocab.json")
         drafter = drafter_for_runtime(drafter, target, vocab)
         feed["input_ids"] = np.zeros((1, bs), np.int64)

@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    from ovdflash.precision import host_precisions
+    from ovdflash.ov.precision import host_precisions
 
     offered = host_precisions()
     weights = {part: (args.model_dir / part / "openvino_model.bin").stat().st_size / 2**20 for part in ("target", "drafter")}

@@ -48,12 +48,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from compare_drafters import time_drafter  # noqa: E402  (tools/, next to this file)
-from ovdflash.manifest import load_manifest, runners_for  # noqa: E402
+
 from ovdflash.bench import CpuMeter, GenaiRunner, OursRunner, encode_prompts, rotated  # noqa: E402
-from ovdflash.block_policy import BlockPolicy  # noqa: E402
+from ovdflash.decode.block_policy import BlockPolicy  # noqa: E402
+from ovdflash.decode.stats import GenerationStats  # noqa: E402
+from ovdflash.manifest import load_manifest, runners_for  # noqa: E402
+from ovdflash.ov.precision import compile_config  # noqa: E402
 from ovdflash.pipeline import DFlashPipeline  # noqa: E402
-from ovdflash.precision import compile_config  # noqa: E402
-from ovdflash.stats import GenerationStats  # noqa: E402
 
 
 class TimedRequest:
@@ -237,7 +238,7 @@ def ar_compare(pipe, genai, prompts, tokens, reps, meter):
 
 def loop_compare(pipe, model_dir, manifest, config, prompts, tokens, reps, meter):
     """AR tok/s: inferences via infer() vs start_async()+wait() (the runtime's), and genai-ar."""
-    import ovdflash.runners as runners
+    import ovdflash.ov.runners as runners
 
     def infer_run(request, inputs):
         request.infer(inputs, share_inputs=True, share_outputs=True)

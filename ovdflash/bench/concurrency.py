@@ -34,7 +34,7 @@ Contract:
   `agreement`: per C and mode, the fraction of requests whose tokens equal batch-ar's.
 - `run_concurrency_bench(model_dir, ...)` loads the pipeline (and genai's pipeline) and the prompt
   sets as `ovdflash bench` does; `concurrency_command(...)` is the CLI's branch: it writes
-  `OUT/bench_concurrency.json` (+ `settings`, `host` = `ovdflash.env.collect()`) and
+  `OUT/bench_concurrency.json` (+ `settings`, `host` = `ovdflash.ov.host.collect()`) and
   `OUT/bench_concurrency.png` (aggregate tok/s against C) and prints the tables.
 """
 from __future__ import annotations
@@ -50,10 +50,10 @@ from typing import Callable
 import click
 import numpy as np
 
+from ..decode.stats import GenerationStats
 from ..pipeline import DFlashPipeline
-from ..stats import GenerationStats
 from .measure import CpuMeter, rotated
-from .runners import OursRunner
+from .modes import OursRunner
 
 CONCURRENCY_MODES = ("batch-dflash", "batch-ar", "genai-cb", "seq-dflash")
 BATCHED_AR = ("batch-ar", "genai-cb")  # the rivals of batch-dflash; the faster one is "best batched AR"
@@ -451,7 +451,7 @@ def run_concurrency_bench(model_dir: Path, concurrency: list[int], prompt_sets: 
     """Loads the pipeline, prompts and genai's pipeline as `ovdflash bench` does, then `run_concurrency`.
     `block_sizes=None`: the manifest's default block size."""
     from ..manifest import load_manifest
-    from ..precision import compile_config
+    from ..ov.precision import compile_config
     from .prompts import encode_prompts
 
     manifest, notes = load_manifest(model_dir), []
@@ -550,7 +550,7 @@ def concurrency_command(model_dir: Path, concurrency: list[int], prompt_sets: li
                         out_dir: Path, config: dict, target_runner: str | None, console, progress,
                         wide_target: bool | None = None) -> dict:
     """The CLI's --concurrency branch: run, write OUT/bench_concurrency.{json,png}, print the tables."""
-    from ..env import collect
+    from ..ov.host import collect
 
     unknown = [m for m in modes if m not in CONCURRENCY_MODES]
     if unknown:  # before anything compiles

@@ -16,32 +16,13 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..stats import GenerationStats
+from ..decode.stats import GenerationStats
+from .modes import build_runners
 from .prompts import encode_prompts
-from .report import summarize
-from .runners import build_runners
-
-
-@dataclass
-class Run:
-    mode: str
-    prompt_set: str
-    prompt_index: int
-    num_tokens: int
-    wall_s: float
-    ttft_s: float
-    token_ids: list[int]
-    stats: dict = field(default_factory=dict)  # ours: GenerationStats.as_dict(); genai: round counters
-    foreign_cores: float = float("nan")        # CPU used by other processes during the run
-    spec: GenerationStats | None = None        # ours only: the call's stats, pooled with merge()
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.num_tokens / self.wall_s if self.wall_s > 0 else 0.0
+from .report import Run, summarize
 
 
 def rotated(items, rep: int) -> list:

@@ -11,14 +11,29 @@ and returns the figure.
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from ..stats import GenerationStats
+from ..decode.stats import GenerationStats
 from .prompts import PROMPT_SETS
 
-if TYPE_CHECKING:
-    from .measure import Run
+
+@dataclass
+class Run:
+    mode: str
+    prompt_set: str
+    prompt_index: int
+    num_tokens: int
+    wall_s: float
+    ttft_s: float
+    token_ids: list[int]
+    stats: dict = field(default_factory=dict)  # ours: GenerationStats.as_dict(); genai: round counters
+    foreign_cores: float = float("nan")        # CPU used by other processes during the run
+    spec: GenerationStats | None = None        # ours only: the call's stats, pooled with merge()
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
 SPECULATIVE = ("dflash@", "dflash-nopl@", "oracle@")  # mode-name prefixes of our speculative modes (round counters)
 # the speedup panel: mode-name prefix -> (legend text, line style, marker); one per mode kind

@@ -40,7 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import protocol
-from .async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestParams
+from .engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestParams
 from .protocol import ApiError, bad_request
 
 logger = logging.getLogger("ovdflash.server")

@@ -27,7 +27,7 @@ import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ..stats import GenerationStats
+from ..decode.stats import GenerationStats
 
 PREFIX = "ovdflash:"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..stats import GenerationStats
+from ..decode.stats import GenerationStats
 
 
 class ApiError(Exception):

@@ -190,7 +190,7 @@ class OpenAIReplica:
 
     async def __serve_build_asgi_app__(self):
         """Load the pipeline (on this replica's loop: nothing else runs here before the app exists)."""
-        from ..cmd_serve import build_server_app, load_pipeline
+        from .wiring import build_server_app, load_pipeline
 
         s, o = self.settings, self.settings.options
         pipe = load_pipeline(s.model_dir, o.device, o.no_draft, o.cache_dir, o.target_runner, o.prompt_lookup,
@@ -306,9 +306,9 @@ def import_serve():
 def replica_settings(model_dir: str | Path | None = None, replicas: int = 2, num_cpus_per_replica: float | None = None,
                      report_interval_s: float = 1.0, silent_after_s: float = 5.0, **options) -> _ReplicaSettings:
     """What every replica gets, checked here (without Ray) so that bad options fail before any replica starts."""
-    from ..chat import parse_config_options
-    from ..cmd_serve import parse_bytes
     from ..manifest import load_manifest
+    from ..options import parse_config_options
+    from .wiring import parse_bytes
 
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
@@ -363,7 +363,7 @@ def build_ray_app(model_dir: str | Path | None = None, replicas: int = 2, num_cp
 
 def _deployments(settings: _ReplicaSettings, max_ongoing_requests, forget_after_s, shutdown_timeout,
                  health_check_period_s):
-    from ..cmd_serve import DEFAULT_MAX_NUM_SEQS
+    from .wiring import DEFAULT_MAX_NUM_SEQS
 
     serve = import_serve()
     seqs = settings.options.max_num_seqs or DEFAULT_MAX_NUM_SEQS

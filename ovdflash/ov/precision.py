@@ -89,7 +89,7 @@ def compile_config(manifest: dict, overrides: dict | None = None, precision: str
     """The runtime's compile options for a model: the manifest's recorded options, then the
     caller's `precision` and `overrides`, CPU pinning off unless set (on a small VM shared with other jobs pinned
     threads ran slower: docs/BENCHMARKS.md, Knobs), and the precision pair (`resolve`)."""
-    from .manifest import manifest_compile_options
+    from ..manifest import manifest_compile_options
 
     config = manifest_compile_options(manifest)
     if precision is not None:  # the caller's precision outranks the pair recorded at export

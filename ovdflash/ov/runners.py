@@ -1,20 +1,11 @@
-"""OpenVINO runners: the compiled target and drafter behind the engine's runner interfaces.
+"""The compiled target and drafter behind decode's runner interfaces (decode.sequence.TargetRunner, DrafterRunner).
 
 Contract:
-- `compile_runners(model_dir, manifest, device, config, with_drafter)` reads the saved IRs,
-  applies `graphs.drafter_for_runtime` / `graphs.target_for_runtime`, compiles with CACHE_DIR
-  set (except for a target with fp16 weights: `FP16_UNCACHED`), and returns
-  (OVPagedTarget | OVTarget, OVDrafter | None). The drafter gets `DRAFTER_DEFAULTS` under `config` (a key set
-  in `config` wins), and every model compiled for the CPU `cpu_defaults` (a bounded runtime cache).
-  When `drafter/draft_vocab.json` exists (and `use_draft_vocab`), the
-  drafter's head is restricted to that draft vocabulary.
-- `compile_runners(..., target_runner=)` picks the target runner (`ovdflash.TARGET_RUNNERS`):
-  "paged" (the default) applies openvino's paged-attention transformation before the runtime
-  graph edits and returns an `OVPagedTarget`; "stateful" keeps the exported IR: `OVTarget`.
-- `OVPagedTarget` implements `engine.TargetRunner` on the paged target: host-held block caches
+- `run_request(request, inputs)`: one inference, inputs shared (no copies), start_async + wait.
+- `OVPagedTarget` implements `TargetRunner` on the paged target: host-held block caches
   (one ov.Tensor per key_cache.i / value_cache.i, grown by doubling), `past_lens` = committed
   tokens, so a rollback is `commit(k)` alone and the next forward overwrites the rejected slots.
-- `OVTarget` implements `engine.TargetRunner` on the stateful target. Rollback is mask-based:
+- `OVTarget` implements `TargetRunner` on the stateful target. Rollback is mask-based:
   a host-side physical 0/1 attention mask (rejected slots set to 0) with logical position_ids,
   so a rejected draft costs nothing and the KV cache is never copied per round. When the
   garbage (masked slots) exceeds `compact_fraction` of the cache and `compact_min_garbage`
@@ -22,9 +13,8 @@ Contract:
   tensor and written back. `state_reads`/`state_writes` count these, so tests can prove that
   ordinary rounds touch no state. `rewind(k)` keeps the first k committed tokens, by the mask too
   (prefix reuse across calls). Logits are computed only for the requested rows (prefill:
-  the last row), and returned arrays are views into the output tensors, valid until the next
-  call.
-- `OVDrafter` implements `engine.DrafterRunner`: it feeds the block `[last, mask*(B-1)]` as ids,
+  the last row), and returned arrays are views into the output tensors, valid until the next call.
+- `OVDrafter` implements `DrafterRunner`: it feeds the block `[last, mask*(B-1)]` as ids,
   the new context features, positions and an all-ones mask, and reads back only `draft_tokens`.
   A round that verifies k < B-1 drafts still runs the whole block and reads its first k
   (`draft_block` = B, manifest `draft_pass` "full_block"), or runs k + 1 tokens (`draft_block` 0,
@@ -39,34 +29,6 @@ from pathlib import Path
 
 import numpy as np
 import openvino as ov
-
-from . import graphs
-from . import wide_target as wide_weights
-from .manifest import DEFAULT_TARGET_RUNNER, DRAFT_VOCAB, DRAFTER_XML, TARGET_XML, parse_target_runner, runners_for
-
-# Drafter-only compile defaults. No dynamic quantization: the drafter's FullyConnected layers see
-# 1-8 rows a call, where quantizing the activations costs more than it saves (SmolLM2's int8
-# drafter, 2 cores, 300-token context: 2.78 against 3.11 ms a call with 1 draft, 3.38 against 3.60
-# with 3). Only the proposals can change, never the output: the target verifies every draft.
-DRAFTER_DEFAULTS = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
-
-# Every model compiled for the CPU keeps at most this many executors per kind of node (the plugin's
-# LRU of per-shape kernels): its default of 5000 let varied traffic grow a server by GBs
-# (docs/SERVING.md, Memory). Speed is unchanged at 32 entries.
-RUNTIME_CACHE_CAPACITY = 32
-
-
-def cpu_defaults(device: str, config: dict | None) -> dict:
-    """`config` with the runtime cache bound added for the CPU plugin (a key set in `config` wins)."""
-    bound = {"CPU_RUNTIME_CACHE_CAPACITY": str(RUNTIME_CACHE_CAPACITY)} if device.upper() == "CPU" else {}
-    return {**bound, **(config or {})}
-
-
-# A target with fp16 weights is compiled without CACHE_DIR: the CPU plugin (2026.4) runs an fp16 model
-# imported from its compile cache much slower than the freshly compiled one (SmolLM2-135M, 2 cores:
-# a 1-token step 45 against 28 ms, a 4-token verify 55 against 43 ms, and 950 against 720 MB
-# resident; CACHE_MODE=OPTIMIZE_SIZE the same). int8 and fp32 targets keep the cache (same speed).
-FP16_UNCACHED = "fp16"
 
 # calls of this many tokens or more run on the paged target's f32-weight copy until calibrate_wide measures
 WIDE_FROM = 5
@@ -242,7 +204,7 @@ class OVPagedTarget(_LogitRows):
         self.request = compiled.create_infer_request()
         self.wide_compiled = wide
         self.wide_from = wide_from
-        self.wide_xml: Path | None = None  # the copy's IR file, for ovdflash.memory
+        self.wide_xml: Path | None = None  # the copy's IR file, for ovdflash.ov.memory
         self.num_wide_calls = 0
         self.last_request = self.request  # the request of the latest call: its outputs
         self.max_length = max_length
@@ -432,83 +394,3 @@ class OVDrafter:
             state.state = ov.Tensor(np.ascontiguousarray(kept))  # dense: see OVTarget.compact
         self.context_len = num_kept
 
-
-def read_ir(core: ov.Core, xml: Path, role: str) -> ov.Model:
-    """`core.read_model`, with a one-line error that names the model and the file that failed."""
-    for path in (xml, xml.with_suffix(".bin")):
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: the {role} IR file is missing; re-export the model directory")
-    try:
-        return core.read_model(xml)
-    except Exception as exc:  # the plugin's message is many lines; keep its first
-        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        raise RuntimeError(f"{xml}: the {role} IR could not be read ({first.strip()[:200]}); "
-                           "re-export the model directory") from None
-
-
-def runtime_target_graph(target_model: ov.Model, manifest: dict, target_runner: str = DEFAULT_TARGET_RUNNER) -> ov.Model:
-    """The runtime's edits of a read target IR, in place (and returned): openvino's paged-attention
-    transformation for the "paged" runner, then `graphs.target_for_runtime`. The feature pass
-    (ovdflash_export.training.features) builds its graph with this too, so it runs what the runtime runs."""
-    if parse_target_runner(target_runner) == "paged":
-        from openvino._offline_transformations import paged_attention_transformation
-
-        paged_attention_transformation(target_model)
-    return graphs.target_for_runtime(target_model, manifest["target_layer_ids"])
-
-
-def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", config: dict | None = None,
-                    with_drafter: bool = True, core: ov.Core | None = None, use_draft_vocab: bool = True,
-                    target_runner: str = DEFAULT_TARGET_RUNNER, wide_target: bool | None = None,
-                    **target_options) -> tuple[OVTarget | OVPagedTarget, OVDrafter | None]:
-    """Read, adapt and compile the pair. `config` goes to compile_model (CACHE_DIR included).
-    `target_runner` (`TARGET_RUNNERS`): "stateful" (OVTarget) or "paged" (OVPagedTarget); "hybrid"
-    (ovdflash.hybrid.HybridTarget) exactly when the manifest names it (a linear-attention target).
-    `wide_target` (None: auto): a paged target with f16 weights under f32 inference is compiled a
-    second time from f32 weights for its wide calls (`OVPagedTarget`'s `wide`, ovdflash.wide_target)."""
-    target_runner = parse_target_runner(target_runner)
-    if target_runner not in runners_for(manifest):
-        raise ValueError(f"target runner {target_runner!r} does not fit this target "
-                         f"(its manifest names {manifest.get('target_runner')!r})")
-    model_dir = Path(model_dir)
-    core = core or ov.Core()
-    target_model = read_ir(core, model_dir / TARGET_XML, "target")
-    seq_axes = kv_seq_axes(target_model)
-    drafter = None
-    if with_drafter:
-        drafter_model = read_ir(core, model_dir / DRAFTER_XML, "drafter")
-        drafter_seq_axes = kv_seq_axes(drafter_model)
-        # graft before the target is edited: the drafter reuses the target's embedding and lm_head nodes
-        vocab_path = model_dir / DRAFT_VOCAB
-        draft_vocab = graphs.read_draft_vocab(vocab_path) if use_draft_vocab and vocab_path.exists() else None
-        graphs.drafter_for_runtime(drafter_model, target_model, draft_vocab)
-    max_length = int(manifest["max_position_embeddings"])
-    config = cpu_defaults(device, config)
-    target_config = dict(config)
-    if manifest.get("target", {}).get("weight_format") == FP16_UNCACHED:
-        target_config.pop("CACHE_DIR", None)
-    if target_runner == "hybrid":
-        from .hybrid import compile_hybrid_target
-
-        target = compile_hybrid_target(core, target_model, manifest, device, target_config, seq_axes,
-                                       **target_options)
-    else:
-        runtime_target_graph(target_model, manifest, target_runner)
-        compiled_target = core.compile_model(target_model, device, target_config)
-        if target_runner == "paged":
-            wide, wide_xml = None, None
-            if target_config.get("INFERENCE_PRECISION_HINT", "f32") in ("f32", "fp32") \
-                    and graphs.f16_weight_converts(target_model) \
-                    and wide_weights.wanted((model_dir / TARGET_XML).with_suffix(".bin"), wide_target):
-                wide_xml = wide_weights.f32_weights_ir(model_dir / TARGET_XML, (config or {}).get("CACHE_DIR"))
-                wide_model = runtime_target_graph(read_ir(core, wide_xml, "f32-weight target"), manifest, "paged")
-                wide = core.compile_model(wide_model, device, target_config)
-            target = OVPagedTarget(compiled_target, max_length, wide=wide, **target_options)
-            target.wide_xml = wide_xml
-        else:
-            target = OVTarget(compiled_target, max_length, seq_axes, **target_options)
-    if with_drafter:
-        drafter = OVDrafter(core.compile_model(drafter_model, device, {**DRAFTER_DEFAULTS, **config}),
-                            int(manifest["block_size"]), int(manifest["mask_token_id"]), max_length,
-                            exact_passes=manifest.get("draft_pass") == "exact", seq_axes=drafter_seq_axes)
-    return target, drafter

@@ -10,63 +10,16 @@ the reply is complete, 130 when Ctrl-C cut it (after printing what it had), 1 or
 """
 from __future__ import annotations
 
-import contextlib
-import signal
 from pathlib import Path
 
 import click
 
-from . import TARGET_RUNNERS
-from .precision import PRECISIONS
+from .. import TARGET_RUNNERS
+from ..options import parse_block_size, parse_config_options, sigint_to_main_thread_only
+from ..ov.precision import PRECISIONS
+from .options import WIDE_TARGET_OPTION, compile_options
 
 HELP = "commands: /reset  /stats  /quit   (Ctrl-C stops a reply, Ctrl-D quits)"
-
-
-def parse_config_options(items, option: str = "--config") -> dict:
-    """`KEY=VALUE` strings (a repeatable CLI option) as a dict of OpenVINO properties."""
-    config = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint=option)
-        config[key.strip()] = value.strip()
-    return config
-
-
-def _parse_block_size(text: str | None) -> int | str | None:
-    if text is None or text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"--block-size must be an integer or 'auto', got {text!r}") from None
-
-
-@contextlib.contextmanager
-def _sigint_to_main_thread_only():
-    """Block SIGINT while OpenVINO creates its worker threads, so they inherit the blocked mask.
-
-    Why: the kernel may deliver Ctrl-C to any thread that does not block it. When an OpenVINO
-    worker gets it, Python only sets a flag, and the main thread, asleep in readline's select()
-    at the `>>>` prompt, never wakes up: Ctrl-C seems to do nothing. With every worker blocking
-    SIGINT, the signal always lands on the main thread.
-    """
-    if not hasattr(signal, "pthread_sigmask"):  # not POSIX: nothing to do
-        yield
-        return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
-
-# `--wide-target` of chat and serve (runners.OVPagedTarget's f32-weight copy)
-WIDE_TARGET_OPTION = click.option(
-    "--wide-target/--no-wide-target", default=None,
-    help="A second copy of an fp16-weight target with f32 weights for calls of many tokens (wide verifies, "
-         "batches, prefills): faster, at twice the target's weight size in memory. Default: when that fits a "
-         "quarter of the available memory.")
 
 
 @click.command()
@@ -88,11 +41,7 @@ WIDE_TARGET_OPTION = click.option(
               help="Keep the KV of the conversation so far between turns, so a turn prefills only its new "
                    "tokens (output unchanged).")
 @click.option("--seed", type=int, default=None, help="Sampling seed (reproducible replies).")
-@click.option("--device", "-d", default="CPU", show_default=True, help="OpenVINO device.")
-@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
-              help="OpenVINO CACHE_DIR (default ~/.cache/ovdflash/ov_cache).")
-@click.option("--config", "-c", multiple=True, metavar="KEY=VALUE",
-              help="OpenVINO compile property, e.g. -c INFERENCE_PRECISION_HINT=f32 (repeatable).")
+@compile_options
 @click.option("--target-runner", type=click.Choice(TARGET_RUNNERS), default=None,
               help="How the target's attention runs: paged (openvino's paged attention; the default) or stateful "
                    "(the exported IR's KV states). Default: the model directory's choice.")
@@ -103,13 +52,13 @@ WIDE_TARGET_OPTION = click.option(
 def chat(model_dir, prompt, system, temperature, top_p, top_k, max_new_tokens, block_size, no_draft, prompt_lookup,
          prefix_cache, seed, device, cache_dir, config, target_runner, precision, wide_target):
     """Chat with MODEL_DIR (default: SmolLM2-135M + shipped drafter)."""
-    from .pipeline import DFlashPipeline
-    from .sampling import SamplingParams
+    from ..decode.sampling import SamplingParams
+    from ..pipeline import DFlashPipeline
 
     try:
         SamplingParams(temperature, top_p, top_k, seed)  # reject bad values before the slow load
-        block_size = _parse_block_size(block_size)
-        with _sigint_to_main_thread_only():
+        block_size = parse_block_size(block_size)
+        with sigint_to_main_thread_only():
             pipe = DFlashPipeline.from_pretrained(model_dir, device=device, draft=not no_draft,
                                                   cache_dir=cache_dir, target_runner=target_runner,
                                                   prompt_lookup=prompt_lookup, precision=precision,
@@ -177,3 +126,4 @@ def chat(model_dir, prompt, system, temperature, top_p, top_k, max_new_tokens, b
         answer = reply(messages + [{"role": "user", "content": line}])
         if answer is not None:
             messages += [{"role": "user", "content": line}, {"role": "assistant", "content": answer}]
+

@@ -17,10 +17,10 @@ from pathlib import Path
 import click
 import numpy as np
 
+from ..decode.stats import GenerationStats
 from ..manifest import load_manifest
+from ..ov.precision import compile_config
 from ..pipeline import DFlashPipeline
-from ..precision import compile_config
-from ..stats import GenerationStats
 
 
 class OursRunner:

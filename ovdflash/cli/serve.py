@@ -1,4 +1,4 @@
-"""`ovdflash serve [MODEL_DIR]`: the OpenAI-compatible server (ovdflash.server) on one model directory.
+"""`ovdflash serve [MODEL_DIR]`: the click command of the OpenAI-compatible server (ovdflash.server).
 
 Contract: loads MODEL_DIR (default: the embedded model, as `ovdflash chat`) with the same load
 options as chat (`-c KEY=VALUE`, `--target-runner`, `--precision`, `--block-size`, `--no-draft`,
@@ -7,116 +7,27 @@ until SIGTERM or SIGINT, then exits 0 after open requests end (docs/SERVING.md).
 as vLLM's: `--api-key` (or OVDFLASH_API_KEY; without it the server is open, so a non-loopback
 `--host` without a key is refused unless `--allow-open` says so), `--served-model-name`
 (repeatable; default: the directory's name), `--max-num-seqs` (sequences generating at once,
-default 8 with the paged target runner, 1 with the others: continuous batching, one target call
-per round for all of them; 1: one request at a time, any runner), `--kv-cache-memory-bytes` (the batch's KV
-block pool limit, cached prefix features included; default: one full-context sequence shared by the
-batch, at most a quarter of the memory available; a smaller pool lowers the context limit to what it
-holds; the start-up log says how many tokens the pool holds and in which precision),
-`--enable-prefix-caching/--no-enable-prefix-caching` (default on: KV blocks of prompt prefixes are
-reused across requests), `--max-queue`, `--max-model-len`, `--max-request-bytes`. With batching, `--block-size`
-defaults to "auto": each round's drafts are chosen for the whole batch from its measured cost
-curve (block_policy.BatchDraftPolicy). `--replicas N` serves the same app on N Ray Serve replicas
-(ovdflash.server.ray_app; the `ray` extra). Bad options are one-line errors before the model loads
-where they can be.
+default 8 with the paged target runner, 1 with the others), `--kv-cache-memory-bytes` (the batch's
+KV block pool limit, cached prefix features included; default: one full-context sequence shared by
+the batch, at most a quarter of the memory available; the start-up lines say how many tokens the
+pool holds and in which precision), `--enable-prefix-caching/--no-enable-prefix-caching`,
+`--max-queue`, `--max-model-len`, `--max-request-bytes`. With batching, `--block-size` defaults to
+"auto". `--replicas N` serves the same app on N Ray Serve replicas (ovdflash.server.ray_app; the
+`ray` extra). The wiring is `ovdflash.server.wiring`; bad options are one-line errors before the
+model loads where they can be.
 """
 from __future__ import annotations
 
-import ipaddress
 import logging
 from pathlib import Path
 
 import click
 
-from . import TARGET_RUNNERS
-from .chat import WIDE_TARGET_OPTION, _parse_block_size, _sigint_to_main_thread_only, parse_config_options
-from .precision import PRECISIONS
-
-
-DEFAULT_MAX_NUM_SEQS = 8
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def load_pipeline(model_dir, device, no_draft, cache_dir, target_runner, prompt_lookup, precision, config,
-                  block_size, prefix_caching=True, wide_target=None):
-    """The pipeline `serve` runs, loaded and warmed up as `ovdflash chat` does."""
-    from .pipeline import DFlashPipeline
-
-    with _sigint_to_main_thread_only():
-        pipe = DFlashPipeline.from_pretrained(model_dir, device=device, draft=not no_draft, cache_dir=cache_dir,
-                                              target_runner=target_runner, prompt_lookup=prompt_lookup,
-                                              precision=precision, prefix_cache=prefix_caching,
-                                              wide_target=wide_target, **parse_config_options(config))
-        pipe.warm_up(block_size=block_size)
-    return pipe
-
-
-def parse_bytes(text) -> int:
-    """'1073741824', '512M', '4G' or '4GiB' as bytes (K, M, G, T: powers of 1024, as vLLM reads them)."""
-    import re
-
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
-    if m is None or float(m.group(1)) <= 0:
-        raise ValueError(f"--kv-cache-memory-bytes must be a size such as 4G or 536870912, got {text!r}")
-    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
-
-
-def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_num_seqs=1, max_queue=128,
-                     max_model_len=None, api_key=None, max_request_bytes=None, kv_cache_memory_bytes=None):
-    """The FastAPI app over `pipe`: scheduler, engine, metrics and endpoints wired together.
-    max_num_seqs 1: one request at a time (SequentialScheduler); more: continuous batching
-    (BatchedScheduler over the paged runner's block pool, with prefix caching as `pipe.prefix_cache`).
-    A pool smaller than one full-context sequence lowers the context limit to what it holds (an
-    explicit max_model_len beyond it is an error), so every request the server takes fits the pool."""
-    from .server.app import DEFAULT_MAX_REQUEST_BYTES, build_app
-    from .server.async_engine import AsyncEngine, BatchedScheduler, SequentialScheduler
-    from .server.metrics import ServerMetrics
-
-    if max_num_seqs is None:  # batch where the runner can
-        from .runners import OVPagedTarget
-
-        max_num_seqs = DEFAULT_MAX_NUM_SEQS if isinstance(pipe.target, OVPagedTarget) else 1
-    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-        raise ValueError(f"--max-num-seqs must be an integer >= 1, got {max_num_seqs!r}")
-    if max_queue < 0:
-        raise ValueError(f"--max-queue must be >= 0, got {max_queue}")
-    context = pipe.target.max_length
-    if max_model_len is not None and not 2 <= max_model_len <= context:
-        raise ValueError(f"--max-model-len must be in 2..{context} (the model's context), got {max_model_len}")
-    pool_text = None
-    if max_num_seqs == 1:
-        scheduler = SequentialScheduler(pipe, block_size, draft)
-    else:
-        from .batch_runners import (block_tokens_of, blocks_for_bytes, cache_inputs_of, default_pool_blocks,
-                                    describe_pool, paged_compiled)
-
-        compiled = paged_compiled(pipe.target)  # another runner: a clear error
-        caching = bool(pipe.prefix_cache)
-        pool_blocks = (blocks_for_bytes(compiled, parse_bytes(kv_cache_memory_bytes), caching)
-                       if kv_cache_memory_bytes is not None else default_pool_blocks(compiled, context, caching))
-        pool_text = describe_pool(compiled, pool_blocks, caching)
-        pool_tokens = pool_blocks * block_tokens_of(cache_inputs_of(compiled))
-        if max_model_len is not None and max_model_len > pool_tokens:
-            raise ValueError(f"--kv-cache-memory-bytes {kv_cache_memory_bytes or '(default)'} holds {pool_tokens} tokens of KV cache, "
-                             f"fewer than --max-model-len {max_model_len}: raise the one or lower the other")
-        if pool_tokens < context:
-            max_model_len = max_model_len or pool_tokens
-        scheduler = BatchedScheduler(pipe, block_size, draft, max_num_seqs, pool_blocks)
-    metrics = ServerMetrics(served_model_names[0], bool(pipe.prefix_cache))
-    if max_num_seqs > 1:
-        metrics.watch_pool(scheduler.batch.pool_usage)
-    engine = AsyncEngine(scheduler, max_num_seqs, max_queue, metrics, max_model_len or context)
-    app = build_app(engine, served_model_names, api_key,
-                    max_request_bytes if max_request_bytes is not None else DEFAULT_MAX_REQUEST_BYTES)
-    app.state.kv_pool = pool_text  # for the start-up line: tokens, bytes and precision of the pool
-    return app
+from .. import TARGET_RUNNERS
+from ..options import parse_block_size
+from ..ov.precision import PRECISIONS
+from ..server.wiring import build_server_app, is_loopback, load_pipeline, parse_bytes
+from .options import WIDE_TARGET_OPTION, compile_options
 
 
 @click.command()
@@ -151,11 +62,7 @@ def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_
               help="Largest request body; beyond it: 413.")
 @click.option("--shutdown-timeout", type=click.FloatRange(0), default=5.0, show_default=True,
               help="Seconds open requests may run on after SIGTERM/SIGINT before they end with finish_reason 'abort'.")
-@click.option("--device", "-d", default="CPU", show_default=True, help="OpenVINO device.")
-@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
-              help="OpenVINO CACHE_DIR (default ~/.cache/ovdflash/ov_cache).")
-@click.option("--config", "-c", multiple=True, metavar="KEY=VALUE",
-              help="OpenVINO compile property, e.g. -c INFERENCE_PRECISION_HINT=f32 (repeatable).")
+@compile_options
 @click.option("--target-runner", type=click.Choice(TARGET_RUNNERS), default=None,
               help="How the target's attention runs (paged or stateful). Default: the model directory's choice.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None,
@@ -175,16 +82,16 @@ def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_s
           shutdown_timeout, device, cache_dir, config, target_runner, precision, wide_target, log_level, replicas,
           num_cpus_per_replica, ray_address):
     """Serve MODEL_DIR (default: SmolLM2-135M + shipped drafter) as an OpenAI-compatible API."""
-    if not api_key and not _is_loopback(host) and not allow_open:
+    if not api_key and not is_loopback(host) and not allow_open:
         raise click.ClickException(f"--host {host} is reachable from other machines and there is no --api-key: "
                                    "give a key, or --allow-open to serve without one")
     if replicas is not None:  # Ray Serve: every replica loads its own pipeline (server/ray_app.py)
-        from .server.ray_app import serve_on_ray
+        from ..server.ray_app import serve_on_ray
 
         try:
             return serve_on_ray(model_dir, replicas, num_cpus_per_replica, ray_address, host, port, shutdown_timeout,
                                 log_level, lambda line: click.echo(line, err=True),
-                                served_model_names=served_model_name, block_size=_parse_block_size(block_size),
+                                served_model_names=served_model_name, block_size=parse_block_size(block_size),
                                 no_draft=no_draft, prompt_lookup=prompt_lookup, device=device, cache_dir=cache_dir,
                                 config=config, target_runner=target_runner, precision=precision,
                                 max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_cache_memory_bytes,
@@ -196,8 +103,8 @@ def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_s
     try:
         if kv_cache_memory_bytes is not None:
             parse_bytes(kv_cache_memory_bytes)
-        block_size = _parse_block_size(block_size)
-        from .server.app import run_server  # fastapi/uvicorn missing: a clear error before the slow load
+        block_size = parse_block_size(block_size)
+        from ..server.app import run_server  # fastapi/uvicorn missing: a clear error before the slow load
         pipe = load_pipeline(model_dir, device, no_draft, cache_dir, target_runner, prompt_lookup, precision,
                              config, block_size, enable_prefix_caching, wide_target)
         names = list(served_model_name) or [Path(pipe.model_dir).name]
@@ -220,3 +127,4 @@ def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_s
     if app.state.kv_pool:
         click.echo(app.state.kv_pool, err=True)
     run_server(app, host, port, shutdown_timeout, log_level)
+

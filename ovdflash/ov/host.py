@@ -1,17 +1,9 @@
-"""`ovdflash env [--model DIR] [--json]`: where a number comes from (like `vllm collect-env`).
+"""This host's facts: CPU model, ISA flags, cores, memory, package versions, and a model's compile precisions.
 
-Contract: `collect(model_dir=None, precision=None, target_runner=None) -> dict` of plain JSON values:
-- `cpu`: the CPU model (/proc/cpuinfo), the name and OPTIMIZATION_CAPABILITIES that OpenVINO's CPU
-  plugin reports, the inference precisions it offers (`precision.host_precisions`), and `isa`:
-  each flag of `ISA_FLAGS` as /proc/cpuinfo lists it (false where the file is absent);
-- `cores`: logical CPUs (os.cpu_count), the ones this process may run on (sched_getaffinity),
-  physical cores (distinct physical id / core id pairs; null where /proc/cpuinfo lacks them);
-- `memory`: MemTotal and MemAvailable in MiB (/proc/meminfo; null where absent);
-- `python` and `platform`; `packages`: the installed version of each of `PACKAGES` (null if absent);
-- `model`, only for a `model_dir`: the runner (`target_runner`, else the manifest's) and the
-  compile options and precisions the runtime would use, from `manifest.load_manifest` and
-  `precision.compile_config` exactly as `DFlashPipeline.from_pretrained` calls them. Nothing is compiled.
-The command's default model is the embedded one only when it is already exported (env never builds it).
+Contract: `collect(model_dir=None, precision=None, target_runner=None) -> dict` gathers them (from
+/proc/cpuinfo, /proc/meminfo, the installed packages and OpenVINO's CPU plugin); `render(facts)`
+formats them for `ovdflash env`; `built_default_model_dir()` is the embedded model's directory when
+it was exported already. Every benchmark JSON carries `collect()` as its `host`.
 """
 from __future__ import annotations
 
@@ -21,12 +13,12 @@ import platform
 from importlib import metadata
 from pathlib import Path
 
-import click
-
-from .manifest import DRAFT_VOCAB, TARGET_RUNNERS, load_manifest, parse_target_runner
-from .precision import PRECISIONS, compile_config, host_precisions
+from ..manifest import DRAFT_VOCAB, load_manifest, parse_target_runner
+from .precision import compile_config, host_precisions
 
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_fp16")
+
+
 PACKAGES = ("ovdflash", "openvino", "openvino-genai", "openvino-tokenizers", "numpy", "tokenizers")
 
 
@@ -144,22 +136,3 @@ def render(facts: dict) -> str:
             lines.append(f"  {key}: {text}")
     return "\n".join(lines)
 
-
-@click.command()
-@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Model directory to report compile precisions for (default: the embedded model if built).")
-@click.option("--precision", type=click.Choice(PRECISIONS), default=None,
-              help="The precision a run would ask for (default: the manifest's, else f32).")
-@click.option("--target-runner", type=click.Choice(TARGET_RUNNERS), default=None,
-              help="The target runner a run would use (default: the model directory's choice).")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def env(model_dir, precision, target_runner, as_json):
-    """Print the host's CPU, ISA, cores, memory and versions, and a model's compile precisions."""
-    model_dir = model_dir or built_default_model_dir()
-    try:
-        facts = collect(model_dir, precision, target_runner)
-    except (OSError, ValueError) as exc:  # a bad model directory or manifest: one line
-        raise click.ClickException(str(exc)) from None
-    if model_dir is None:
-        facts["model"] = None if as_json else "none (the embedded model is not exported yet; give --model DIR)"
-    click.echo(json.dumps(facts, indent=1) if as_json else render(facts))

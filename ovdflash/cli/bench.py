@@ -1,7 +1,7 @@
 """`ovdflash bench [MODEL_DIR]`: the click command, its progress display and its outputs.
 
 Contract: runs `measure.run_benchmark` with the options below, then writes `OUT/bench.json`
-(the summary, `settings`, `host` = `ovdflash.env.collect()`, `memory` with `--memory`) and
+(the summary, `settings`, `host` = `ovdflash.ov.host.collect()`, `memory` with `--memory`) and
 `OUT/bench.png`, and prints the tables to stdout. Progress goes to stderr: a bar on a terminal,
 else one line per finished run (`run_progress`), so a long bench is never silent.
 With `--concurrency`, `concurrency.concurrency_command` runs instead (`OUT/bench_concurrency.*`;
@@ -19,10 +19,10 @@ from pathlib import Path
 import click
 
 from .. import TARGET_RUNNERS
+from ..bench.measure import Run, measure_memory, run_benchmark
+from ..bench.prompts import PROMPT_SETS
+from ..bench.report import plot, render_tables
 from ..pipeline import default_model_dir
-from .measure import Run, measure_memory, run_benchmark
-from .prompts import PROMPT_SETS
-from .report import plot, render_tables
 
 
 def parse_block_sizes(text: str) -> list[int | str]:
@@ -47,8 +47,14 @@ def run_progress(console):
         yield lambda done, total, run: console.print(f"run {done}/{total}: {describe_run(run)}", markup=False,
                                                      highlight=False, soft_wrap=True)
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=console, transient=True) as bar:
@@ -87,7 +93,7 @@ def bench(model_dir, prompt_sets, num_prompts, max_new_tokens, modes, block_size
     """Benchmark DFlash against autoregressive baselines (greedy, interleaved runs, medians)."""
     from rich.console import Console
 
-    from ..env import collect
+    from ..ov.host import collect
 
     console = Console(width=None if sys.stdout.isatty() else 160)  # no wrapped columns in logs
     status = Console(stderr=True)
@@ -106,7 +112,7 @@ def bench(model_dir, prompt_sets, num_prompts, max_new_tokens, modes, block_size
         status.print(f"bench: compiling the modes of {model_dir} and warming up", markup=False, highlight=False,
                      soft_wrap=True)
     if concurrency is not None:
-        from .concurrency import CONCURRENCY_MODES, concurrency_command, parse_concurrency
+        from ..bench.concurrency import CONCURRENCY_MODES, concurrency_command, parse_concurrency
 
         given = click.get_current_context().get_parameter_source
         with run_progress(status) as progress:

@@ -9,14 +9,14 @@ import click
 
 # subcommand name -> (module, attribute, one-line help)
 _COMMANDS = {
-    "export": ("ovdflash.cmd_export", "export", "Export a target LLM and its DFlash drafter to OpenVINO IR."),
-    "chat": ("ovdflash.chat", "chat", "Chat with a model directory (default: SmolLM2-135M + shipped drafter)."),
-    "bench": ("ovdflash.bench", "bench", "Benchmark DFlash against autoregressive baselines."),
-    "train": ("ovdflash.cmd_train", "train", "Distill a DFlash drafter for a target model."),
-    "serve": ("ovdflash.cmd_serve", "serve", "Serve a model directory as an OpenAI-compatible API (DFlash inside)."),
-    "bench-serve": ("ovdflash.server.load", "bench_serve", "Load-test any OpenAI-compatible endpoint (TTFT, TPOT, tok/s)."),
-    "verify": ("ovdflash.cmd_verify", "verify", "Check a model directory's IR files against its recorded checksums."),
-    "env": ("ovdflash.env", "env", "Print the host's CPU, ISA, versions and a model's compile precisions."),
+    "export": ("ovdflash.cli.export", "export", "Export a target LLM and its DFlash drafter to OpenVINO IR."),
+    "chat": ("ovdflash.cli.chat", "chat", "Chat with a model directory (default: SmolLM2-135M + shipped drafter)."),
+    "bench": ("ovdflash.cli.bench", "bench", "Benchmark DFlash against autoregressive baselines."),
+    "train": ("ovdflash.cli.train", "train", "Distill a DFlash drafter for a target model."),
+    "serve": ("ovdflash.cli.serve", "serve", "Serve a model directory as an OpenAI-compatible API (DFlash inside)."),
+    "bench-serve": ("ovdflash.cli.bench_serve", "bench_serve", "Load-test any OpenAI-compatible endpoint (TTFT, TPOT, tok/s)."),
+    "verify": ("ovdflash.cli.verify", "verify", "Check a model directory's IR files against its recorded checksums."),
+    "env": ("ovdflash.cli.env", "env", "Print the host's CPU, ISA, versions and a model's compile precisions."),
 }
 
 

@@ -228,7 +228,7 @@ def measure_costs(target, drafter, prompt_ids: Sequence[int], max_drafts: int,
     hits every k alike, and each k runs twice in a row: the second pass is the steady cost, and
     the first pass, which follows another k (a new input shape), gives the switch cost as the
     median excess of first over second passes. Resets both runners."""
-    from . import engine
+    from . import sequence
     from .sampling import SamplingParams, sample_token
     from .stats import GenerationStats
 
@@ -253,10 +253,10 @@ def measure_costs(target, drafter, prompt_ids: Sequence[int], max_drafts: int,
                 stats = GenerationStats()
                 if k == 0:
                     t0 = time.perf_counter()
-                    last, ctx_feats = engine.autoregressive_step(target, True, last, ctx_feats, params, randomness)
+                    last, ctx_feats = sequence.autoregressive_step(target, True, last, ctx_feats, params, randomness)
                     stats.verify_s = time.perf_counter() - t0
                 else:
-                    _, last, ctx_feats = engine.speculative_round(target, drafter, last, ctx_feats, k + 1,
+                    _, last, ctx_feats = sequence.speculative_round(target, drafter, last, ctx_feats, k + 1,
                                                                   params, randomness, stats)
                 passes.append(stats.verify_s + stats.draft_s)
             if rep or k != ks[0]:  # the very first pass follows the prefill, not another k

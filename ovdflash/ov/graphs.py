@@ -19,7 +19,7 @@ Contract (docs/DESIGN.md, "Runtime graphs"):
   is a plain or decompressed (Convert/Subtract/Multiply) constant; otherwise a runtime Gather.
 
 * ``with_f32_weights(model)``: a copy whose f16 weight constants (Constant f16 -> Convert f32)
-  are f32 constants, for the paged target's wide calls (``ovdflash.wide_target``).
+  are f32 constants, for the paged target's wide calls (``ovdflash.ov.wide_target``).
 
 The first two edit the given model in place and return it. The layer locators are the
 rt_info entry ``hidden_states_decoder_layers`` (optimum-intel's JSON format) that the
@@ -140,7 +140,7 @@ def f16_weight_converts(model: ov.Model) -> list:
 def with_f32_weights(model: ov.Model) -> tuple[ov.Model, int]:
     """(a copy of model with every f16 weight stored as an f32 constant, how many). Same values; the
     CPU plugin then runs plain f32 kernels instead of decompressing the f16 weights anew in every
-    call of more than a few rows (ovdflash.wide_target)."""
+    call of more than a few rows (ovdflash.ov.wide_target)."""
     copy = model.clone()
     converts = f16_weight_converts(copy)
     for op in converts:

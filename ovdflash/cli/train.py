@@ -9,7 +9,6 @@ plus the two of `--evaluate-only`. Re-running the same command with the same --o
 import json
 
 import click
-
 from ovdflash_export.training.config import CLI_OPTIONS, CliOption, TrainConfig, parse_ids
 
 

@@ -1,7 +1,7 @@
 """Continuous batching for DFlash: many sequences, one target inference per round (no OpenVINO here).
 
 Contract:
-- A `BatchTarget` (batch_runners.OVPagedBatchTarget, or a mock) holds the KV cache of every sequence
+- A `BatchTarget` (paged_batch.OVPagedBatchTarget, or a mock) holds the KV cache of every sequence
   in one pool: `reserve(seq_id, num_tokens) -> bool` (False: not now; ValueError: never),
   `release(seq_id)`, `committed(seq_id)`, `blocks_for(num_tokens)` against `pool_blocks`,
   `forward([(seq_id, token_ids, rows)]) -> [(logits rows, features)]` in ONE inference, and
@@ -12,7 +12,7 @@ Contract:
   Such a sequence prefills only the rest of its prompt (`stats.num_cached_prompt_tokens`), and its
   drafter's context is the cached features followed by the prefill's, as a full prefill gives.
 - `Scheduler(target, drafters=None, max_batch_size=8, draft_policy=None)`: `drafters` hands out one
-  `engine.DrafterRunner` per sequence (`take()`, `give(d)`; batch_runners.DrafterPool) or is None
+  `engine.DrafterRunner` per sequence (`take()`, `give(d)`; paged_batch.DrafterPool) or is None
   (AR only). `add(request_id, prompt_ids, max_new_tokens, params, block_size, prompt_lookup, eos,
   load_aware=False, reuse_prefix=True)` queues a request and returns the `GenerationStats` it
   fills; it waits (FIFO) until the pool can book prompt + max_new_tokens tokens (less the cached
@@ -45,9 +45,9 @@ from typing import Hashable, Protocol, Sequence
 
 import numpy as np
 
-from .engine import DrafterRunner, PromptTooLongError, TokenEvent
 from .lookup import NgramLookup
 from .sampling import PositionRandomness, SamplingParams, accept_at_positions, sample_token
+from .sequence import DrafterRunner, PromptTooLongError, TokenEvent
 from .stats import GenerationStats
 
 

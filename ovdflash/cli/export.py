@@ -39,7 +39,7 @@ WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
 def export(target, drafter, out, cache_dir, target_weight_format, drafter_weight_format, block_size,
            default_block_size, compile_options):
     """Export a target LLM and its DFlash drafter to OpenVINO IR."""
-    from .chat import parse_config_options
+    from ..options import parse_config_options
 
     compile_options = parse_config_options(compile_options, "--compile-option")
     from rich.console import Console

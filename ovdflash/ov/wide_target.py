@@ -11,8 +11,8 @@ Contract:
   f16 weight stored as f32 (`graphs.with_f32_weights`). It is written once per target file
   (keyed by the files' size and mtime) under cache_dir/wide, by a child process, so the converting
   process's memory never joins the caller's; the caller maps it like any IR, and its pages can be
-  released after the first calls (ovdflash.memory). cache_dir None: a directory removed at exit.
-- `python -m ovdflash.wide_target SRC_XML DST_XML` is that child.
+  released after the first calls (ovdflash.ov.memory). cache_dir None: a directory removed at exit.
+- `python -m ovdflash.ov.wide_target SRC_XML DST_XML` is that child.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def f32_weights_ir(target_xml: Path, cache_dir: str | Path | None = None) -> Pat
     root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".writing-", dir=root))
     try:
-        done = subprocess.run([sys.executable, "-m", "ovdflash.wide_target", str(target_xml), str(work / out.name)],
+        done = subprocess.run([sys.executable, "-m", "ovdflash.ov.wide_target", str(target_xml), str(work / out.name)],
                               capture_output=True, text=True)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]

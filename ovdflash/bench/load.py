@@ -1,4 +1,4 @@
-"""`ovdflash bench-serve`: a load generator for any OpenAI-compatible endpoint, measured as `vllm bench serve` does.
+"""The load generator of `ovdflash bench-serve`, for any OpenAI-compatible endpoint, measured as `vllm bench serve` does.
 
 Contract:
 - `run_load(base_url, prompts, concurrency, max_tokens, ...)` sends one streamed request per
@@ -10,18 +10,15 @@ Contract:
   (output tokens - 1), per request) and end-to-end latency, in ms; plus the summed spec_decode
   counters when the server reports them (ours does; others leave them out).
 - Output tokens come from the usage chunk; a server without one is counted by text chunks.
-- Prompts come from the held-out eval sets (`ovdflash.bench.prompts`), several sets interleaved.
-- `ovdflash bench-serve --base-url URL ...` prints the report as a table and can write it as JSON.
+- Prompts come from the held-out eval sets (`ovdflash.bench.prompts`), several sets interleaved
+  (`eval_prompts`); `format_report` renders a report as a table.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-import click
 import numpy as np
 
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_lookup_drafts")
@@ -153,7 +150,7 @@ def run_load(base_url: str, prompts: list[str], concurrency: int = 1, max_tokens
 
 def eval_prompts(sets: list[str], num_prompts: int) -> list[str]:
     """`num_prompts` first turns, taken from the sets in turn (code, math, chat, code, ...)."""
-    from ..bench.prompts import load_prompts
+    from .prompts import load_prompts
 
     per_set = [load_prompts(name, num_prompts) for name in sets]
     mixed = [group[i] for i in range(max(map(len, per_set), default=0)) for group in per_set if i < len(group)]
@@ -181,44 +178,3 @@ def format_report(report: dict) -> str:
         lines.append(f"{'error':<28}{error}")
     return "\n".join(lines)
 
-
-@click.command("bench-serve")
-@click.option("--base-url", default="http://127.0.0.1:8000/v1", show_default=True,
-              help="The endpoint's OpenAI base URL (with /v1).")
-@click.option("--model", default=None, help="Model name to send (default: the first of GET /models).")
-@click.option("--api-key", envvar="OVDFLASH_API_KEY", default=None, help="Bearer key (also OVDFLASH_API_KEY).")
-@click.option("--endpoint", type=click.Choice(["chat", "completions"]), default="chat", show_default=True)
-@click.option("--prompt-set", default="code,math,chat", show_default=True,
-              help="Eval prompt sets to interleave (comma-separated).")
-@click.option("--num-prompts", type=click.IntRange(1), default=30, show_default=True)
-@click.option("--concurrency", type=click.IntRange(1), default=1, show_default=True,
-              help="Requests in flight at once (each client sends its next when one ends).")
-@click.option("--max-tokens", type=click.IntRange(1), default=128, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--seed", type=int, default=None)
-@click.option("--min-rounds", type=click.IntRange(1), default=None,
-              help="Cycle the prompts until the responses' spec_decode drafts add up to this many rounds.")
-@click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="Seconds per request.")
-@click.option("--output-json", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def bench_serve(base_url, model, api_key, endpoint, prompt_set, num_prompts, concurrency, max_tokens, temperature,
-                seed, min_rounds, timeout_s, output_json):
-    """Drive an OpenAI-compatible endpoint with the eval prompts; report throughput, TTFT and TPOT."""
-    try:
-        import openai  # noqa: F401
-    except ImportError as exc:
-        raise click.ClickException(f"bench-serve needs the openai client: pip install 'ovdflash[serve]' ({exc})")
-    prompts = eval_prompts([s.strip() for s in prompt_set.split(",") if s.strip()], num_prompts)
-
-    def progress(result: RequestResult, count: int) -> None:
-        click.echo(f"[{count}] {'ok' if result.ok else 'FAILED ' + result.error}", err=True)
-
-    try:
-        report = run_load(base_url, prompts, concurrency, max_tokens, model, api_key, endpoint, temperature, seed,
-                          min_rounds, timeout_s, progress)
-    except Exception as exc:  # unreachable server, bad key on /models: one line
-        raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
-    click.echo(format_report(report))
-    if output_json is not None:
-        output_json.write_text(json.dumps(report, indent=1))
-    if report["failed"]:
-        raise SystemExit(1)

@@ -16,7 +16,7 @@ import click
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 def verify(model_dir: Path):
     """Check MODEL_DIR's IR files against the sha256 checksums in its manifest."""
-    from .manifest import load_manifest, verify_files
+    from ..manifest import load_manifest, verify_files
 
     try:
         manifest = load_manifest(model_dir)

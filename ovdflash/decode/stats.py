@@ -11,9 +11,9 @@ and `GenerationStats.merge` folds calls into a cumulative total. Counters:
   that proposed a draft at position i (blocks may shrink near limits).
 - acceptance_length_histogram[n]: rounds that emitted n tokens (n = accepted + 1).
 - num_lookup_drafts, num_lookup_draft_tokens, num_lookup_accepted_tokens: the part of the three
-  counters above whose drafts came from n-gram lookup (ovdflash.lookup) instead of the drafter.
+  counters above whose drafts came from n-gram lookup (ovdflash.decode.lookup) instead of the drafter.
 - num_cached_prompt_tokens: prompt tokens whose KV the previous call left in the runners and
-  this one reused (ovdflash.prefix_cache); the prefill ran the other ones only.
+  this one reused (ovdflash.decode.prefix_cache); the prefill ran the other ones only.
 - Times in seconds: prefill (part of TTFT), draft, verify, total. TTFT = call start to first
   token; TPOT = (total - TTFT) / (tokens - 1).
 """
