@@ -21,15 +21,37 @@ Contract:
   and drafter go back at once); the result keeps what was generated, finish_reason "abort".
 - Text and token ids equal `DFlashPipeline.generate` for the same prompt and arguments (greedy
   exactly; sampled with the same seed, the same draws): the scheduler's events are engine.generate's.
+- The pipeline's batch side, each function the `DFlashPipeline` method of its name (the pipeline's
+  contract): `batch_target(pipe, pool_blocks=None)`, the batched paged runner on the pipeline's
+  compiled target (ov.paged_batch.batch_target_for), made again when pool_blocks or the pipeline's
+  `prefix_cache` changes; `drafter_pool(pipe)`, drafters on its compiled drafter (None without
+  one); `batch_draft_policy(pipe, max_batch_size=8)`, the load-aware "auto" policy, its costs
+  measured on first use (block_policy.measure_batch_costs); `generate_batch(pipe, prompts, ...)`,
+  one BatchGeneration run to the end under the pipeline's lock. The runner, the pool and the
+  policy live in the pipeline's BatchRunners, each made once.
+
+Imports: decode/, ov/ (lazily: openvino loads only when a batched runner is made), text, tokenizer,
+token_generation; never the pipeline (it comes in as an argument), server/, bench/ or cli/.
 """
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, NamedTuple, Sequence
+from typing import NamedTuple
 
+from .decode.block_policy import BatchDraftPolicy, measure_batch_costs
 from .decode.sampling import SamplingParams
 from .decode.scheduler import Scheduler
 from .decode.stats import GenerationStats
+from .text import (
+    GenerationResult,
+    check_positive_int,
+    check_stops,
+    check_token_ids,
+    extend_text,
+    held_back,
+)
+from .token_generation import check_block_size
 from .tokenizer import IncrementalDetokenizer
 
 
@@ -73,12 +95,10 @@ class BatchGeneration:
     def add(self, request_id: Hashable, prompt_ids: Sequence[int], max_new_tokens: int,
             params: SamplingParams | None = None, stop=(), block_size: int | str | None = None,
             draft: bool | None = None, prompt_lookup: bool | None = None, prefix_cache: bool | None = None):
-        from .text import GenerationResult, check_positive_int, check_stops, check_token_ids
-
         pipe = self.pipeline
         prompt_ids = check_token_ids(prompt_ids, pipe.vocab_size)
         check_positive_int("max_new_tokens", max_new_tokens)
-        block_size = pipe._check_block_size(block_size, draft)
+        block_size = check_block_size(pipe, block_size, draft)
         use_drafter = draft is not False and pipe.drafter is not None and (block_size == "auto" or block_size > 1)
         use_lookup = bool((pipe.prompt_lookup if prompt_lookup is None else prompt_lookup) and use_drafter)
         stops = check_stops(stop)
@@ -97,8 +117,6 @@ class BatchGeneration:
         return result
 
     def step(self) -> list[BatchOutput]:
-        from .text import extend_text, held_back
-
         out = []
         for request_id, events in self.scheduler.step():
             req = self.requests[request_id]
@@ -133,3 +151,82 @@ class BatchGeneration:
     def _close(self, request_id: Hashable) -> None:
         stats: GenerationStats = self.requests.pop(request_id).result.stats
         self.pipeline.stats.merge(stats)
+
+
+# -- the pipeline's batch side: DFlashPipeline's methods of these names ---------------------------
+@dataclass
+class BatchRunners:
+    """What the batch side keeps beside one pipeline's models, each made on first use."""
+    target: object = None        # ov.paged_batch.OVPagedBatchTarget
+    drafter_pool: object = None  # ov.paged_batch.DrafterPool
+    draft_policy: BatchDraftPolicy | None = None
+
+
+def batch_target(pipe, pool_blocks: int | None = None):
+    """The batched paged runner beside this pipeline's target (made once; same compiled model). It
+    keeps a prefix cache of KV blocks across requests and calls while `prefix_cache` is on."""
+    current = pipe._batch.target
+    if current is None or (pool_blocks is not None and pool_blocks != current.pool_blocks) \
+            or current.caches_prefixes != bool(pipe.prefix_cache):
+        from .ov.paged_batch import batch_target_for
+
+        pipe._batch.target = batch_target_for(pipe.target, pool_blocks, prefix_caching=bool(pipe.prefix_cache))
+    return pipe._batch.target
+
+
+def drafter_pool(pipe):
+    """Drafters for batched sequences, on this pipeline's compiled drafter (made once; None without one)."""
+    if pipe._batch.drafter_pool is None and pipe.drafter is not None:
+        from .ov.paged_batch import DrafterPool
+
+        pipe._batch.drafter_pool = DrafterPool(pipe.drafter)
+    return pipe._batch.drafter_pool
+
+
+def batch_draft_policy(pipe, max_batch_size: int = 8):
+    """The load-aware policy behind generate_batch's block_size="auto" (block_policy.BatchDraftPolicy):
+    on first use, measures batched target calls up to max_batch_size full blocks and the
+    drafter's cost; it keeps learning costs across calls (acceptance is per sequence)."""
+    if pipe._batch.draft_policy is None:
+        if pipe.drafter is None:
+            raise ValueError("block_size='auto' needs a drafter")
+        pool = pipe.drafter_pool()
+        drafter = pool.take()
+        try:
+            tokens, call_cost_s, draft_cost_s = measure_batch_costs(
+                pipe.batch_target(), drafter, max_batch_size * pipe.block_size, pipe.block_size - 1)
+        finally:
+            pool.give(drafter)
+        pipe._batch.draft_policy = BatchDraftPolicy(tokens, call_cost_s, draft_cost_s)
+    return pipe._batch.draft_policy
+
+
+def generate_batch(pipe, prompts, max_new_tokens: int = 256, temperature: float = 0.0,
+                   top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
+                   block_size: int | str | None = None, draft: bool | None = None,
+                   apply_chat_template: bool = False, prompt_lookup: bool | None = None,
+                   max_batch_size: int = 8, pool_blocks: int | None = None,
+                   prefix_cache: bool | None = None) -> list[GenerationResult]:
+    """`generate` for every prompt, verified together: one target inference per round for all
+    running sequences (continuous batching, at most max_batch_size at once; batch_generation).
+    Each result equals that prompt's `generate` alone with the same arguments (greedy exactly;
+    sampled with the same seed, the same draws). block_size="auto": each round's drafts are
+    chosen for the whole batch from its cost curve (`batch_draft_policy`). With prefix caching
+    (None: the pipeline's `prefix_cache`), a prompt starting with full KV blocks that an earlier
+    or concurrent sequence computed (a shared system prompt) prefills only the rest."""
+    if isinstance(prompts, (str, dict)) or not hasattr(prompts, "__iter__"):
+        raise TypeError("prompts must be a list of prompts (strings, message lists or token-id lists)")
+    prompts = list(prompts)
+    params = SamplingParams(temperature, top_p, top_k, seed)
+    encoded = [pipe.encode_prompt(p, apply_chat_template) for p in prompts]
+    with pipe._lock.hold():
+        batch = BatchGeneration(pipe, max_batch_size, pool_blocks)
+        try:
+            results = [batch.add(i, ids, max_new_tokens, params, stop, block_size, draft, prompt_lookup,
+                                 prefix_cache) for i, ids in enumerate(encoded)]
+            while batch.has_work():
+                batch.step()
+        finally:
+            for i in list(batch.requests):  # an interrupted batch gives its blocks and drafters back
+                batch.abort(i)
+    return results

@@ -7,6 +7,13 @@ Contract:
   of the end of `text` could still be the start of a stop string (streaming holds it back).
 - `check_positive_int`, `check_token_ids`, `check_stops`, `check_messages`: one-line ValueErrors
   naming what is wrong with a request's arguments (`CHAT_ROLES` are the roles a message may have).
+- `encode_prompt(pipe, prompt_or_messages, apply_chat_template=False) -> list[int]` is
+  `DFlashPipeline.encode_prompt`, with the pipeline's `tokenizer`, `bos_token_id` and `vocab_size`:
+  a string is encoded with the tokenizer's special tokens and `bos_token_id` put in front if the
+  tokenizer did not add it; a list of chat messages is rendered with the chat template (which
+  carries its own special tokens); a list of token ids is checked against `vocab_size`.
+  `apply_chat_template=True` makes a string one user message. Anything else: TypeError.
+  `require_tokenizer(tokenizer)`: the tokenizer, or ValueError when the pipeline has none.
 """
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .decode.stats import GenerationStats
-from .tokenizer import IncrementalDetokenizer
+from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass
@@ -109,3 +116,25 @@ def check_messages(messages: list) -> list[dict]:
             raise TypeError(f"messages[{i}].content must be a string, got {type(m.get('content')).__name__}")
     return messages
 
+
+def require_tokenizer(tokenizer: Tokenizer | None) -> Tokenizer:
+    if tokenizer is None:
+        raise ValueError("this pipeline has no tokenizer; use generate_tokens()")
+    return tokenizer
+
+
+def encode_prompt(pipe, prompt_or_messages, apply_chat_template: bool = False) -> list[int]:
+    if isinstance(prompt_or_messages, str) and apply_chat_template:  # then as any message list
+        prompt_or_messages = [{"role": "user", "content": prompt_or_messages}]
+    if isinstance(prompt_or_messages, str):
+        ids = require_tokenizer(pipe.tokenizer).encode(prompt_or_messages)
+        if pipe.bos_token_id is not None and ids[:1] != [pipe.bos_token_id]:
+            ids = [pipe.bos_token_id] + ids
+        return ids
+    if isinstance(prompt_or_messages, (bytes, bytearray, dict)) or not hasattr(prompt_or_messages, "__iter__"):
+        raise TypeError("prompt must be a string, a list of chat messages, or a list of token ids, "
+                        f"got {type(prompt_or_messages).__name__}")
+    items = list(prompt_or_messages)
+    if items and any(isinstance(m, dict) for m in items):
+        return require_tokenizer(pipe.tokenizer).encode_chat(check_messages(items))
+    return check_token_ids(items, pipe.vocab_size)

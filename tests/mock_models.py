@@ -12,6 +12,8 @@ import numpy as np
 
 
 class MockTarget:
+    rewinds_exactly = False  # sequence.TargetRunner: `rewind` keeps only all committed tokens
+
     def __init__(self, vocab_size=32, max_length=4096, seed=0, sharpness=3.0, logits_fn=None,
                  compact_garbage=8):
         rng = np.random.default_rng(seed)
@@ -68,6 +70,10 @@ class MockTarget:
             self.num_compactions += 1
         assert [p for p, m in zip(self.positions, self.mask) if m] == list(range(self.committed))
 
+    def rewind(self, num_kept):
+        if num_kept != self.committed:
+            raise ValueError(f"MockTarget cannot rewind from {self.committed} to {num_kept} tokens")
+
     def logical_tokens(self):
         return [t for t, m in zip(self.slots, self.mask) if m]
 
@@ -86,6 +92,13 @@ class MockDrafter:
     def reset(self):
         self.context: list[int] = []
         self.rng = np.random.default_rng(self.seed)  # same corruptions on every generation
+
+    @property
+    def context_len(self):
+        return len(self.context)
+
+    def rewind(self, num_kept):
+        del self.context[num_kept:]
 
     def propose(self, last, ctx_feats, start, num_drafts):
         self.num_propose_calls += 1

@@ -7,7 +7,8 @@ from ovdflash.decode.lookup import NgramLookup
 from ovdflash.decode.sampling import SamplingParams
 from ovdflash.decode.scheduler import Scheduler
 from ovdflash.decode.sequence import generate
-from ovdflash.ov.paged_batch import DrafterPool, PoolExhaustedError, batch_target_for
+from ovdflash.ov.block_pool import PoolExhaustedError
+from ovdflash.ov.paged_batch import DrafterPool, batch_target_for
 
 
 @pytest.fixture(scope="module")

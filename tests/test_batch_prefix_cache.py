@@ -9,7 +9,8 @@ import pytest
 from ovdflash import STRICT_F32, DFlashPipeline
 from ovdflash.decode.sampling import SamplingParams
 from ovdflash.decode.scheduler import Scheduler
-from ovdflash.ov.paged_batch import DrafterPool, batch_target_for, block_digest
+from ovdflash.ov.block_pool import block_digest
+from ovdflash.ov.paged_batch import DrafterPool, batch_target_for
 
 
 @pytest.fixture(scope="module")

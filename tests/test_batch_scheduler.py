@@ -29,7 +29,7 @@ class MockBatchTarget:
     def blocks_for(self, num_tokens):
         return -(-num_tokens // self.block_tokens)
 
-    def reserve(self, seq_id, num_tokens):
+    def reserve(self, seq_id, num_tokens, prompt_ids=None):  # caches no prefixes: prompt_ids ignored
         need = self.blocks_for(num_tokens)
         if need > self.pool_blocks - sum(self.reserved.values()):
             return False
@@ -54,7 +54,10 @@ class MockBatchTarget:
             out.append((logits[np.asarray(rows)], feats))
         return out
 
-    def commit(self, seq_id, num_kept):
+    def cached_features(self, seq_id):
+        return None
+
+    def commit(self, seq_id, num_kept, token_ids=None, features=None):
         self.seqs[seq_id].commit(num_kept)
 
 

@@ -15,8 +15,8 @@ import openvino as ov
 import pytest
 
 from ovdflash.manifest import load_manifest
-from ovdflash.ov import paged_batch as batch_runners
 from ovdflash.ov import compile as ov_compile
+from ovdflash.ov import paged
 from ovdflash.ov import runners
 from ovdflash.ov.paged_batch import (
     batch_target_for,
@@ -76,7 +76,7 @@ def test_distinct_lengths_leave_nothing_behind(tiny_pair, tmp_path, monkeypatch)
         return run(request, inputs)
 
     monkeypatch.setattr(runners, "run_request", recording_run)
-    monkeypatch.setattr(batch_runners, "run_request", recording_run)
+    monkeypatch.setattr(paged, "run_request", recording_run)
     pipe = DFlashPipeline.from_pretrained(tiny_pair, cache_dir=tmp_path)
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(3, 500, size=n)] for n in range(2, 202)]  # 200 distinct lengths

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ovdflash import STRICT_F32, DFlashPipeline
-from ovdflash.ov.runners import OVPagedTarget
+from ovdflash.ov.paged import OVPagedTarget
 
 
 def load(pair, tmp_path, runner="paged"):

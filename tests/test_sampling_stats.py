@@ -14,6 +14,7 @@ import pytest
 from mock_models import MockDrafter, MockTarget
 from scipy import stats as sps
 
+from ovdflash.decode import round as decode_round
 from ovdflash.decode import sequence
 from ovdflash.decode.sampling import SamplingParams, sample_from, warp_probs
 
@@ -124,7 +125,7 @@ def test_negative_control_biased_residual_is_detected(mock_pair, monkeypatch):
                 return i, sample_from(warp_probs(logits[i], params), rng) if i < len(drafts) else token
         raise AssertionError
 
-    monkeypatch.setattr(sequence, "accept_at_positions", biased_accept)
+    monkeypatch.setattr(decode_round, "accept_at_positions", biased_accept)
     target, drafter = mock_pair
     assert min(p_values(target, drafter, SETTINGS["temperature"]).values()) < P_THRESHOLD
 
@@ -154,8 +155,13 @@ class SelfDrafter:
 
     def reset(self):
         self.tokens, self.prev = list(self.prompt), None
+        self.context_len = 0
+
+    def rewind(self, num_kept):
+        raise NotImplementedError("it rebuilds its context from its prompt, not from features: no prefix reuse")
 
     def propose(self, last, ctx_feats, start, num_drafts):
+        self.context_len = start
         if self.prev is not None:  # the committed tokens since the last round: prev last + accepted drafts
             prev_last, prev_drafts, prev_start = self.prev
             self.tokens += [prev_last] + prev_drafts[: start - prev_start - 1]
@@ -182,6 +188,7 @@ def test_dflash_sampling_matches_ar_on_the_real_tiny_model(tiny_pair, tmp_path):
     params = dict(temperature=0.8, top_k=6)
     prompt = [5, 17, 33]
     pipe.drafter = SelfDrafter(type(pipe.target), pipe.target.compiled, pipe.target.max_length, prompt)
+    pipe.prefix_cache = False  # SelfDrafter cannot rewind: every call starts afresh
 
     def draw(draft):
         out = []

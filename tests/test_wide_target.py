@@ -14,9 +14,9 @@ from ovdflash.decode.scheduler import Scheduler
 from ovdflash.manifest import load_manifest
 from ovdflash.ov import graphs
 from ovdflash.ov.compile import compile_runners
+from ovdflash.ov.paged import OVPagedTarget
 from ovdflash.ov.paged_batch import DrafterPool, batch_target_for
 from ovdflash.ov.precision import host_precisions
-from ovdflash.ov.runners import OVPagedTarget
 
 CONFIG = {"INFERENCE_NUM_THREADS": 1, "CACHE_DIR": "", **STRICT_F32}
 

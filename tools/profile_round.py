@@ -238,7 +238,7 @@ def ar_compare(pipe, genai, prompts, tokens, reps, meter):
 
 def loop_compare(pipe, model_dir, manifest, config, prompts, tokens, reps, meter):
     """AR tok/s: inferences via infer() vs start_async()+wait() (the runtime's), and genai-ar."""
-    import ovdflash.ov.runners as runners
+    import ovdflash.ov.paged as runners
 
     def infer_run(request, inputs):
         request.infer(inputs, share_inputs=True, share_outputs=True)

@@ -194,7 +194,7 @@ class PrefixScorer:
     which ate the whole saving; paged attention runs such a suffix at 2.0-2.3 ms a token."""
 
     def __init__(self, compiled, width: int, max_len: int, share: bool = True):
-        from ovdflash.ov.runners import OVPagedTarget
+        from ovdflash.ov.paged import OVPagedTarget
 
         self.target = OVPagedTarget(compiled, max_len)
         self.width, self.share = width, share

@@ -1,7 +1,7 @@
 """Click options that several commands share.
 
 Contract: `WIDE_TARGET_OPTION`, the `--wide-target/--no-wide-target` flag of chat and serve
-(ov.runners.OVPagedTarget's f32-weight copy; None: where memory allows); `compile_options`, the
+(ov.paged.OVPagedTarget's f32-weight copy; None: where memory allows); `compile_options`, the
 `--device`, `--cache-dir` and `--config` options of chat and serve (what OpenVINO compiles with).
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-# `--wide-target` of chat and serve (runners.OVPagedTarget's f32-weight copy)
+# `--wide-target` of chat and serve (ov.paged.OVPagedTarget's f32-weight copy)
 WIDE_TARGET_OPTION = click.option(
     "--wide-target/--no-wide-target", default=None,
     help="A second copy of an fp16-weight target with f32 weights for calls of many tokens (wide verifies, "

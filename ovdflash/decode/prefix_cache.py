@@ -6,7 +6,7 @@ Contract:
   holds (`tokens`: a prompt and the committed output, the last sampled token excluded since it has
   no KV yet) and the target features the drafter has not consumed yet (`feats`, for positions
   `drafter.context_len .. drafter.context_len + len(feats) - 1`; the drafter's state holds the
-  positions before them). `engine.generate(..., prefix_cache=)` drives it: `restore` before the
+  positions before them). `sequence.generate(..., prefix_cache=)` drives it: `restore` before the
   prefill, `begin` before and `record` after every round.
 - `restore(prompt, drafting, reuse=True) -> (num_cached, kept_feats)`: the longest common prefix of `prompt`
   and `tokens`, at most len(prompt) - 1 (the last prompt token is always prefilled: its logits
@@ -15,9 +15,9 @@ Contract:
   `rewind`, or `feats` cut), so both hold exactly the first num_cached prompt tokens, as a fresh
   prefill of them would. kept_feats (drafting only) are the features of positions
   `drafter.context_len .. num_cached - 1`, to go in front of the prefill's. Nothing reused (0):
-  both runners are reset. A target whose `rewinds_exactly` is False or absent (the hybrid one) is
-  reused only when the prompt extends all of `tokens`; a drafter without `context_len` and
-  `rewind`, never.
+  both runners are reset. A target whose `rewinds_exactly` is False (the hybrid one) is reused
+  only when the prompt extends all of `tokens`. The runners' `pending`, `rewinds_exactly`,
+  `rewind` and `context_len` are declared by sequence.TargetRunner and round.DrafterRunner.
 - Never wrong: `tokens` are compared id by id; a call broken off inside a round (an exception in
   the runners) leaves the cache invalid until the next `record`, so the next call starts afresh;
   so does any mismatch between the runners' lengths and what the cache recorded (a runner used
@@ -58,10 +58,7 @@ class PrefixCache:
         return self.drafter.context_len + self._num_feats() if self.drafter is not None else 0
 
     def _in_sync(self) -> bool:
-        target, drafter = self.target, self.drafter
-        if drafter is not None and not (hasattr(drafter, "context_len") and hasattr(drafter, "rewind")):
-            return False  # a drafter that cannot say or cut its context: never reused
-        return (self.valid and getattr(target, "pending", 0) == 0 and target.committed == len(self.tokens)
+        return (self.valid and self.target.pending == 0 and self.target.committed == len(self.tokens)
                 and self.drafter_covered() <= len(self.tokens))
 
     def restore(self, prompt: Sequence[int], drafting: bool, reuse: bool = True) -> tuple[int, np.ndarray | None]:
@@ -72,7 +69,7 @@ class PrefixCache:
             num_cached = common_prefix_length(self.tokens, prompt[: len(prompt) - 1])
             if drafting:
                 num_cached = min(num_cached, self.drafter_covered())
-            if num_cached < len(self.tokens) and not getattr(self.target, "rewinds_exactly", False):
+            if num_cached < len(self.tokens) and not self.target.rewinds_exactly:
                 num_cached = 0
         self.valid = False  # until the prefill is recorded
         if num_cached == 0:

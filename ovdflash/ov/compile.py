@@ -24,7 +24,8 @@ import openvino as ov
 from ..manifest import DEFAULT_TARGET_RUNNER, DRAFT_VOCAB, DRAFTER_XML, TARGET_XML, parse_target_runner, runners_for
 from . import graphs
 from . import wide_target as wide_weights
-from .runners import OVDrafter, OVPagedTarget, OVTarget, kv_seq_axes
+from .paged import OVPagedTarget
+from .runners import OVDrafter, OVTarget, kv_seq_axes
 
 # Drafter-only compile defaults. No dynamic quantization: the drafter's FullyConnected layers see
 # 1-8 rows a call, where quantizing the activations costs more than it saves (SmolLM2's int8

@@ -31,7 +31,8 @@ import numpy as np
 import openvino as ov
 import openvino.opset14 as ops
 
-from .runners import OVTarget, run_request
+from .inference import run_request
+from .runners import OVTarget
 
 # name prefixes of the hybrid IR's per-layer Gated DeltaNet ports (suffix: the layer index)
 CONV_STATE, RECURRENT_STATE = "conv_state.", "recurrent_state."

@@ -1,10 +1,9 @@
-"""The compiled target and drafter behind decode's runner interfaces (decode.sequence.TargetRunner, DrafterRunner).
+"""The stateful target and the drafter behind decode's runner interfaces (decode.sequence.TargetRunner, decode.round.DrafterRunner).
 
 Contract:
-- `run_request(request, inputs)`: one inference, inputs shared (no copies), start_async + wait.
-- `OVPagedTarget` implements `TargetRunner` on the paged target: host-held block caches
-  (one ov.Tensor per key_cache.i / value_cache.i, grown by doubling), `past_lens` = committed
-  tokens, so a rollback is `commit(k)` alone and the next forward overwrites the rejected slots.
+- `run_request` (from `.inference`): one inference, inputs shared (no copies), start_async + wait;
+  this module's runners call it by this module's name (tools may replace it here).
+- `OVPagedTarget`, the `TargetRunner` on the paged target, lives in `.paged`.
 - `OVTarget` implements `TargetRunner` on the stateful target. Rollback is mask-based:
   a host-side physical 0/1 attention mask (rejected slots set to 0) with logical position_ids,
   so a rejected draft costs nothing and the KV cache is never copied per round. When the
@@ -20,33 +19,14 @@ Contract:
   (`draft_block` = B, manifest `draft_pass` "full_block"), or runs k + 1 tokens (`draft_block` 0,
   "exact"); near the end of the positions the pass shrinks to fit. `rewind(k)` cuts its context
   state to the first k positions (prefix reuse across calls).
+May import: numpy, openvino and `.inference`.
 """
 from __future__ import annotations
-
-import statistics
-import time
-from pathlib import Path
 
 import numpy as np
 import openvino as ov
 
-# calls of this many tokens or more run on the paged target's f32-weight copy until calibrate_wide measures
-WIDE_FROM = 5
-
-
-def paged_cache_inputs(compiled: ov.CompiledModel) -> list:
-    """(name, element type, per-block shape) of every key_cache.* / value_cache.* input of a paged target."""
-    return [(i.get_any_name(), i.get_element_type(), [d.get_length() for d in i.get_partial_shape()[1:]])
-            for i in compiled.inputs if i.get_any_name().startswith(("key_cache.", "value_cache."))]
-
-
-def wide_request_of(wide: ov.CompiledModel | None, cache_inputs: list) -> ov.InferRequest | None:
-    """An InferRequest of a paged target's f32-weight copy, which must take the same KV cache inputs."""
-    if wide is None:
-        return None
-    if paged_cache_inputs(wide) != cache_inputs:
-        raise ValueError("the wide target's KV cache inputs differ from the target's")
-    return wide.create_infer_request()
+from .inference import LogitRows, run_request
 
 
 def kv_seq_axes(model: ov.Model) -> dict[str, int]:
@@ -61,31 +41,10 @@ def kv_seq_axes(model: ov.Model) -> dict[str, int]:
     return axes
 
 
-def run_request(request: ov.InferRequest, inputs: dict) -> None:
-    """One inference, inputs shared (no copies). start_async + wait, as openvino.genai's decode
-    loop does, not infer(): infer() runs the graph on the calling Python thread, and with 2
-    threads on a shared 2-vCPU VM our AR made fewer tokens/s that way
-    (docs/BENCHMARKS.md, Compile settings; `tools/profile_round.py --sections loop`)."""
-    request.start_async(inputs, share_inputs=True)
-    request.wait()
-
-
-class _LogitRows:
-    """`logits_indices` for a forward of num tokens: all rows (a reused buffer), or the last."""
-
-    row_indices = np.arange(256, dtype=np.int64)
-
-    def _logit_rows(self, num: int, all_logits: bool) -> np.ndarray:
-        if not all_logits:
-            return np.array([num - 1], dtype=np.int64)
-        if num > len(self.row_indices):
-            self.row_indices = np.arange(num, dtype=np.int64)
-        return self.row_indices[:num]
-
-
-class OVTarget(_LogitRows):
+class OVTarget(LogitRows):
     kind = "stateful"  # one of ovdflash.TARGET_RUNNERS
     rewinds_exactly = True  # `rewind` to any committed length (prefix reuse may cut the cached tokens)
+    pending = 0  # tokens of the last forward not yet committed
 
     def __init__(self, compiled: ov.CompiledModel, max_length: int, seq_axes: dict[str, int] | None = None,
                  compact_fraction: float = 0.25, compact_min_garbage: int = 64):
@@ -110,7 +69,7 @@ class OVTarget(_LogitRows):
         self.request.reset_state()
         self.committed = 0  # logical length
         self.physical = 0   # slots in the KV cache, masked ones included
-        self.pending = 0    # tokens of the last forward not yet committed
+        self.pending = 0
 
     @property
     def garbage(self) -> int:
@@ -175,163 +134,6 @@ class OVTarget(_LogitRows):
         self.physical = len(keep)
         self.mask[0, : self.physical] = 1
         self.num_compactions += 1
-
-
-class OVPagedTarget(_LogitRows):
-    """engine.TargetRunner on the target after openvino's paged-attention transformation
-    (`compile_runners(..., target_runner="paged")`), the attention openvino.genai runs.
-
-    The KV cache is a set of host-allocated tensors, `[blocks, kv_heads, block_tokens, head_dim]`
-    per layer for K and V (shape and element type as the plugin asks: f16/f32, or u8 with its
-    scales), holding one sequence in blocks 0, 1, 2, ... in order. A forward writes its T tokens
-    at slots committed..committed+T-1 and attends to them and the committed ones (`past_lens`).
-    Rollback is free and exact: `commit(k)` keeps k of them, and the next forward overwrites the
-    rest, so there is no mask, no garbage and no compaction. The cache grows by doubling its
-    blocks (one copy of the used blocks each time).
-
-    `wide` (optional): the same target compiled with f32 weights (`graphs.with_f32_weights`), for
-    calls of `wide_from` tokens or more. With f16 weights the CPU plugin decompresses every weight
-    again in each call of more than a few rows, so such calls cost twice a narrow one; the f32 copy
-    reads twice the bytes but computes many rows at once. Both requests share the cache tensors.
-    `calibrate_wide()` sets `wide_from` from timings on this host (or drops the copy)."""
-
-    kind = "paged"  # one of ovdflash.TARGET_RUNNERS
-    rewinds_exactly = True
-
-    def __init__(self, compiled: ov.CompiledModel, max_length: int, initial_blocks: int = 16,
-                 wide: ov.CompiledModel | None = None, wide_from: int = WIDE_FROM):
-        self.compiled = compiled
-        self.request = compiled.create_infer_request()
-        self.wide_compiled = wide
-        self.wide_from = wide_from
-        self.wide_xml: Path | None = None  # the copy's IR file, for ovdflash.ov.memory
-        self.num_wide_calls = 0
-        self.last_request = self.request  # the request of the latest call: its outputs
-        self.max_length = max_length
-        names = {n for o in compiled.outputs for n in o.get_names()}
-        # a graph scoring its next tokens itself (the feature pass's) has no logits output
-        self.logits_out = compiled.output("logits") if "logits" in names else None
-        self.hidden_out = compiled.output("target_hidden")
-        self.cache_inputs = paged_cache_inputs(compiled)
-        if not self.cache_inputs:
-            raise ValueError("the paged-attention transformation left this target without key_cache.* inputs "
-                             "(an attention pattern openvino does not convert): use target_runner='stateful'")
-        # tokens per block: dim 2 of a value cache (a u8 key cache adds rows of scales to that dim)
-        self.block_tokens = next(shape[1] for name, _, shape in self.cache_inputs if name.startswith("value_cache."))
-        self.positions = np.arange(max_length + 1, dtype=np.int64)
-        self.block_indices = np.arange(-(-(max_length + 1) // self.block_tokens), dtype=np.int32)
-        self.past_lens = np.zeros(1, dtype=np.int32)
-        self.subsequence_begins = np.zeros(2, dtype=np.int32)
-        self.block_indices_begins = np.zeros(2, dtype=np.int32)
-        self.max_context_len = np.zeros((), dtype=np.int32)
-        self.caches: dict[str, ov.Tensor] = {}
-        self.num_blocks = 0
-        self.num_cache_grows = 0
-        self.num_compactions = 0  # engine.TargetRunner: never compacts
-        self.wide_request = wide_request_of(wide, self.cache_inputs)
-        self._grow(initial_blocks)
-        self.reset()
-
-    def _grow(self, num_blocks: int) -> None:
-        for name, element_type, shape in self.cache_inputs:
-            tensor = ov.Tensor(element_type, [num_blocks, *shape])
-            old = self.caches.get(name)
-            if old is not None:
-                tensor.data[: self.num_blocks] = old.data[: self.num_blocks]
-            self.caches[name] = tensor
-            for request in (self.request, self.wide_request):
-                if request is not None:
-                    request.set_tensor(name, tensor)
-        self.num_blocks = num_blocks
-        self.num_cache_grows += 1
-
-    def request_for(self, num_tokens: int) -> ov.InferRequest:
-        """The request a call of num_tokens tokens runs on (the wide one from `wide_from` tokens)."""
-        wide = self.wide_request is not None and num_tokens >= self.wide_from
-        self.num_wide_calls += wide
-        self.last_request = self.wide_request if wide else self.request
-        return self.last_request
-
-    def drop_wide(self) -> None:
-        """Forget the f32-weight copy (its memory goes with the last reference)."""
-        self.wide_compiled = self.wide_request = self.wide_xml = None
-        self.last_request = self.request
-
-    def calibrate_wide(self, sizes=(2, 4, 5, 6, 8, 12, 16, 32), repetitions: int = 3,
-                       context_tokens: int = 64) -> int | None:
-        """Time calls of each size on both requests (interleaved, medians, after a 64-token
-        context) and use the wide one from the smallest size at which it is faster at that size
-        and every larger one; drop it when it never is. Returns wide_from, or None."""
-        if self.wide_request is None:
-            return None
-        self.reset()
-        self.run(np.ones(context_tokens, dtype=np.int64), np.array([context_tokens - 1]))
-        self.commit(context_tokens)
-        times = {(size, wide): [] for size in sizes for wide in (False, True)}
-        kept = self.wide_from
-        for rep in range(repetitions + 1):  # the first repetition warms each shape up, untimed
-            for size in sizes:
-                for wide in (False, True):
-                    self.wide_from = size if wide else size + 1
-                    t0 = time.perf_counter()
-                    self.run(np.ones(size, dtype=np.int64), np.arange(size))
-                    if rep:
-                        times[size, wide].append(time.perf_counter() - t0)
-                    self.commit(1)
-        self.wide_from = kept
-        self.reset()
-        faster = [statistics.median(times[s, True]) < statistics.median(times[s, False]) for s in sizes]
-        start = next((i for i in range(len(sizes)) if all(faster[i:])), None)
-        if start is None:
-            self.drop_wide()
-            return None
-        self.wide_from = sizes[start]
-        return self.wide_from
-
-    def reset(self) -> None:
-        self.committed = 0  # tokens with KV in the cache, all of them valid
-        self.pending = 0    # tokens of the last forward not yet committed
-
-    def forward(self, token_ids: np.ndarray, all_logits: bool) -> tuple[np.ndarray, np.ndarray]:
-        self.run(token_ids, self._logit_rows(len(token_ids), all_logits))
-        out = self.last_request
-        return out.get_tensor("logits").data[:, 0], out.get_tensor("target_hidden").data[:, 0]
-
-    def run(self, token_ids: np.ndarray, rows: np.ndarray) -> None:
-        """The inference of `forward`, with logits (or the graph's own scores) for `rows`
-        (indices into token_ids); the outputs are left in `request`."""
-        assert self.pending == 0, "commit() the previous forward first"
-        num = len(token_ids)
-        past, end = self.committed, self.committed + num
-        blocks = -(-end // self.block_tokens)
-        if blocks > self.num_blocks:
-            self._grow(min(max(blocks, 2 * self.num_blocks), len(self.block_indices)))
-        self.past_lens[0] = past
-        self.subsequence_begins[1] = num
-        self.block_indices_begins[1] = blocks
-        self.max_context_len[...] = end
-        run_request(self.request_for(num), {
-            "input_ids": np.ascontiguousarray(token_ids, dtype=np.int64).reshape(num),
-            "position_ids": self.positions[past:end],
-            "past_lens": self.past_lens,
-            "subsequence_begins": self.subsequence_begins,
-            "block_indices_begins": self.block_indices_begins,
-            "block_indices": self.block_indices[:blocks],
-            "max_context_len": self.max_context_len,
-            "logits_indices": rows,
-        })
-        self.pending = num
-
-    def commit(self, num_kept: int) -> None:
-        """Keep the first num_kept tokens of the last forward; the next forward overwrites the rest."""
-        assert 0 < num_kept <= self.pending
-        self.committed += num_kept
-        self.pending = 0
-
-    def rewind(self, num_kept: int) -> None:
-        """Keep only the first num_kept committed tokens (free: the next forward overwrites the rest)."""
-        assert self.pending == 0 and 0 <= num_kept <= self.committed
-        self.committed = num_kept
 
 
 class OVDrafter:

@@ -4,7 +4,7 @@ Contract:
 - Why: with f16 weights under f32 inference, the CPU plugin decompresses every weight again in
   each call of more than a few rows, so a 5-row call costs about two 4-row ones; compiled from
   f32 weights, the same target computes many rows at once for a little more than a narrow call.
-  `runners.OVPagedTarget` runs calls of `wide_from` tokens or more on the copy (docs/DESIGN.md).
+  `paged.OVPagedTarget` runs calls of `wide_from` tokens or more on the copy (docs/DESIGN.md).
 - `wanted(target_bin, choice)`: choice True/False decides; None (auto) builds the copy when its
   f32 weights (twice the f16 file) take at most `AUTO_MEMORY_SHARE` of the memory available now.
 - `f32_weights_ir(target_xml, cache_dir)` -> the path of an IR equal to target_xml with every

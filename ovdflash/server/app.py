@@ -20,6 +20,10 @@ Contract:
   requests, lets open ones finish for `shutdown_timeout` seconds, ends the rest with
   finish_reason "abort" (streams still get their final chunk and [DONE]) and returns normally,
   so the process exits 0. A second SIGINT quits at once.
+
+Layout: `_Api` checks requests and hands them to the engine, `_respond` answers (whole or as
+events), `build_app` installs the error handlers and `_bearer_auth`, then the route groups
+(`_add_health_routes`, `_add_model_routes`, `_add_completion_routes`).
 """
 from __future__ import annotations
 
@@ -104,6 +108,10 @@ class _Api:
         self.max_model_len = engine.max_model_len or self.pipeline.target.max_length
 
     # -- request checks ----------------------------------------------------------------------
+    async def parse(self, request: Request, request_type):
+        """The request body as `request_type`: 413 past max_request_bytes, 400 when it does not fit."""
+        return protocol.parse_request(request_type, await read_body(request, self.max_request_bytes))
+
     def model_name(self, requested: str | None) -> str:
         if requested is None:
             return self.names[0]
@@ -164,72 +172,89 @@ class _Api:
             raise ApiError(503, str(exc), type="server_error", code="unavailable",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
 
-    # -- answering ---------------------------------------------------------------------------
-    async def respond(self, request: Request, req, stream, num_prompt: int, chunk, opening, body):
-        """A stream of events (`chunk` builds each), or the whole answer as `body(text, finish_reason, usage)`."""
-        if req.stream:
-            return EventSourceResponse(self.events(stream, num_prompt, chunk, req.include_usage, opening),
-                                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        answer = await self.collect(request, stream)
-        if answer is None:
-            return Response(status_code=499)  # the client left: nobody reads this
-        text, final = answer
-        return body(text, final.finish_reason, protocol.usage(num_prompt, final.num_output_tokens, final.stats))
-
-    async def collect(self, request: Request, stream):
-        """(text, final output) of a non-streamed request; None when the client went away first."""
-        async def gather():
-            pieces, final = [], None
-            async for output in stream:
-                pieces.append(output.text)
-                final = output
-            return "".join(pieces), final
-
-        answer = asyncio.ensure_future(gather())
-        gone = asyncio.ensure_future(_wait_for_disconnect(request))
-        try:
-            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not answer.done():  # the client left (or this handler was cancelled): stop generating
-                answer.cancel()
-                self.engine.abort(stream.request_id)
-        if not answer.done() or answer.cancelled():
-            return None
-        text, final = answer.result()
-        if final.error:
-            raise ApiError(500, f"generation failed: {final.error}", type="server_error", code="generation_failed")
-        return text, final
-
-    async def events(self, stream, num_prompt: int, chunk, include_usage: bool, opening: dict | None = None):
-        """The SSE body of a streamed request: `chunk(text, finish_reason=None)` builds each event."""
-        finished = False
-        try:
-            if opening is not None:
-                yield _sse(opening)
-            async for output in stream:
-                if output.finished:
-                    finished = True
-                    if output.error:
-                        yield _sse(ApiError(500, f"generation failed: {output.error}", type="server_error",
-                                            code="generation_failed").body())
-                        break
-                    yield _sse(chunk(output.text, output.finish_reason))
-                    if include_usage:
-                        yield _sse(chunk(None, usage_body=protocol.usage(num_prompt, output.num_output_tokens,
-                                                                         output.stats)))
-                elif output.text:
-                    yield _sse(chunk(output.text))
-            yield _DONE
-        finally:
-            if not finished:  # the client went away mid-stream
-                self.engine.abort(stream.request_id)
+# -- answering: the engine's outputs as one response or as server-sent events ------------------------
+async def _respond(engine: AsyncEngine, request: Request, req, stream, num_prompt: int, chunk, opening, body):
+    """A stream of events (`chunk` builds each), or the whole answer as `body(text, finish_reason, usage)`."""
+    if req.stream:
+        return EventSourceResponse(_events(engine, stream, num_prompt, chunk, req.include_usage, opening),
+                                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    answer = await _collect(engine, request, stream)
+    if answer is None:
+        return Response(status_code=499)  # the client left: nobody reads this
+    text, final = answer
+    return body(text, final.finish_reason, protocol.usage(num_prompt, final.num_output_tokens, final.stats))
 
 
+async def _collect(engine: AsyncEngine, request: Request, stream):
+    """(text, final output) of a non-streamed request; None when the client went away first."""
+    async def gather():
+        pieces, final = [], None
+        async for output in stream:
+            pieces.append(output.text)
+            final = output
+        return "".join(pieces), final
+
+    answer = asyncio.ensure_future(gather())
+    gone = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not answer.done():  # the client left (or this handler was cancelled): stop generating
+            answer.cancel()
+            engine.abort(stream.request_id)
+    if not answer.done() or answer.cancelled():
+        return None
+    text, final = answer.result()
+    if final.error:
+        raise ApiError(500, f"generation failed: {final.error}", type="server_error", code="generation_failed")
+    return text, final
+
+
+async def _events(engine: AsyncEngine, stream, num_prompt: int, chunk, include_usage: bool,
+                  opening: dict | None = None):
+    """The SSE body of a streamed request: `chunk(text, finish_reason=None)` builds each event."""
+    finished = False
+    try:
+        if opening is not None:
+            yield _sse(opening)
+        async for output in stream:
+            if output.finished:
+                finished = True
+                if output.error:
+                    yield _sse(ApiError(500, f"generation failed: {output.error}", type="server_error",
+                                        code="generation_failed").body())
+                    break
+                yield _sse(chunk(output.text, output.finish_reason))
+                if include_usage:
+                    yield _sse(chunk(None, usage_body=protocol.usage(num_prompt, output.num_output_tokens,
+                                                                     output.stats)))
+            elif output.text:
+                yield _sse(chunk(output.text))
+        yield _DONE
+    finally:
+        if not finished:  # the client went away mid-stream
+            engine.abort(stream.request_id)
+
+
+# -- the app: lifespan, errors, auth, then the route groups ---------------------------------------
 def build_app(engine: AsyncEngine, served_model_names: list[str], api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     api = _Api(engine, served_model_names, max_request_bytes)
+    app = FastAPI(title="ovdflash", lifespan=_engine_lifespan(engine), docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.engine = engine
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    auth = [Depends(_bearer_auth(api_key))]
+    _add_health_routes(app, engine)
+    _add_model_routes(app, api, auth)
+    _add_completion_routes(app, api, auth)
+    return app
 
+
+def _engine_lifespan(engine: AsyncEngine):
+    """The app's lifespan: the engine runs while the app serves."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
         engine.start()
@@ -237,22 +262,23 @@ def build_app(engine: AsyncEngine, served_model_names: list[str], api_key: str |
             yield
         finally:
             engine.close()
+    return lifespan
 
-    app = FastAPI(title="ovdflash", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.engine = engine
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError):
-        log = logger.error if exc.status >= 500 else logger.warning
-        log("%s %s -> %d %s", request.method, request.url.path, exc.status, exc.message)
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+async def _api_error(request: Request, exc: ApiError):
+    log = logger.error if exc.status >= 500 else logger.warning
+    log("%s %s -> %d %s", request.method, request.url.path, exc.status, exc.message)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                         code="not_found" if exc.status_code == 404 else None)
-        return await api_error(request, error)
 
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                     code="not_found" if exc.status_code == 404 else None)
+    return await _api_error(request, error)
+
+
+def _bearer_auth(api_key: str | None):
+    """The dependency of every route but /health and /metrics: 401 unless `Authorization: Bearer KEY`."""
     async def authorized(request: Request) -> None:
         if api_key is None:
             return
@@ -261,9 +287,11 @@ def build_app(engine: AsyncEngine, served_model_names: list[str], api_key: str |
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                            type="authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
+    return authorized
 
-    auth = [Depends(authorized)]
 
+def _add_health_routes(app: FastAPI, engine: AsyncEngine) -> None:
+    """/health and /metrics: open to all, for load balancers and Prometheus."""
     @app.get("/health")
     async def health():
         if not engine.healthy or not engine.accepting:
@@ -275,52 +303,19 @@ def build_app(engine: AsyncEngine, served_model_names: list[str], api_key: str |
     async def metrics():
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+
+def _add_model_routes(app: FastAPI, api: _Api, auth: list) -> None:
+    """/v1/models, /tokenize and /detokenize: what is served and its tokenizer."""
     @app.get("/v1/models", dependencies=auth)
     async def models():
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "ovdflash", "max_model_len": api.max_model_len}
             for name in api.names]}
 
-    @app.post("/v1/chat/completions", dependencies=auth)
-    @_guarded
-    async def chat_completions(request: Request):
-        req = protocol.parse_request(protocol.ChatCompletionRequest, await read_body(request, max_request_bytes))
-        model = api.model_name(req.model)
-        req.check_supported()
-        prompt_ids = api.encode_messages(req.messages)
-        request_id, created, stream = api.start(req, prompt_ids, "messages", "chatcmpl")
-
-        def chunk(text, finish_reason=None, usage_body=None):
-            delta = None if text is None and finish_reason is None else ({"content": text} if text else {})
-            return protocol.chat_chunk(request_id, created, model, delta, finish_reason, usage_body, req.include_usage)
-
-        opening = protocol.chat_chunk(request_id, created, model, {"role": "assistant", "content": ""},
-                                      include_usage=req.include_usage)
-        return await api.respond(request, req, stream, len(prompt_ids), chunk, opening,
-                                 functools.partial(protocol.chat_completion, request_id, created, model))
-
-    @app.post("/v1/completions", dependencies=auth)
-    @_guarded
-    async def completions(request: Request):
-        req = protocol.parse_request(protocol.CompletionRequest, await read_body(request, max_request_bytes))
-        model = api.model_name(req.model)
-        req.check_supported()
-        prompt = req.single_prompt()
-        prompt_ids = api.encode_text(prompt) if isinstance(prompt, str) else api.check_token_ids(prompt, "prompt")
-        request_id, created, stream = api.start(req, prompt_ids, "prompt", "cmpl")
-
-        def chunk(text, finish_reason=None, usage_body=None):
-            piece = None if text is None and finish_reason is None else (text or "")
-            return protocol.completion_chunk(request_id, created, model, piece, finish_reason, usage_body,
-                                             req.include_usage)
-
-        return await api.respond(request, req, stream, len(prompt_ids), chunk, None,
-                                 functools.partial(protocol.completion, request_id, created, model))
-
     @app.post("/tokenize", dependencies=auth)
     @_guarded
     async def tokenize(request: Request):
-        req = protocol.parse_request(protocol.TokenizeRequest, await read_body(request, max_request_bytes))
+        req = await api.parse(request, protocol.TokenizeRequest)
         api.model_name(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages", param="prompt")
@@ -335,13 +330,50 @@ def build_app(engine: AsyncEngine, served_model_names: list[str], api_key: str |
     @app.post("/detokenize", dependencies=auth)
     @_guarded
     async def detokenize(request: Request):
-        req = protocol.parse_request(protocol.DetokenizeRequest, await read_body(request, max_request_bytes))
+        req = await api.parse(request, protocol.DetokenizeRequest)
         api.model_name(req.model)
         if api.pipeline.tokenizer is None:
             raise bad_request("this model has no tokenizer", param="tokens")
         return {"prompt": api.pipeline.tokenizer.decode(api.check_token_ids(req.tokens, "tokens"))}
 
-    return app
+
+def _add_completion_routes(app: FastAPI, api: _Api, auth: list) -> None:
+    """/v1/chat/completions and /v1/completions, streamed or whole."""
+    @app.post("/v1/chat/completions", dependencies=auth)
+    @_guarded
+    async def chat_completions(request: Request):
+        req = await api.parse(request, protocol.ChatCompletionRequest)
+        model = api.model_name(req.model)
+        req.check_supported()
+        prompt_ids = api.encode_messages(req.messages)
+        request_id, created, stream = api.start(req, prompt_ids, "messages", "chatcmpl")
+
+        def chunk(text, finish_reason=None, usage_body=None):
+            delta = None if text is None and finish_reason is None else ({"content": text} if text else {})
+            return protocol.chat_chunk(request_id, created, model, delta, finish_reason, usage_body, req.include_usage)
+
+        opening = protocol.chat_chunk(request_id, created, model, {"role": "assistant", "content": ""},
+                                      include_usage=req.include_usage)
+        return await _respond(api.engine, request, req, stream, len(prompt_ids), chunk, opening,
+                              functools.partial(protocol.chat_completion, request_id, created, model))
+
+    @app.post("/v1/completions", dependencies=auth)
+    @_guarded
+    async def completions(request: Request):
+        req = await api.parse(request, protocol.CompletionRequest)
+        model = api.model_name(req.model)
+        req.check_supported()
+        prompt = req.single_prompt()
+        prompt_ids = api.encode_text(prompt) if isinstance(prompt, str) else api.check_token_ids(prompt, "prompt")
+        request_id, created, stream = api.start(req, prompt_ids, "prompt", "cmpl")
+
+        def chunk(text, finish_reason=None, usage_body=None):
+            piece = None if text is None and finish_reason is None else (text or "")
+            return protocol.completion_chunk(request_id, created, model, piece, finish_reason, usage_body,
+                                             req.include_usage)
+
+        return await _respond(api.engine, request, req, stream, len(prompt_ids), chunk, None,
+                              functools.partial(protocol.completion, request_id, created, model))
 
 
 def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 5.0,

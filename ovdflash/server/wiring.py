@@ -69,7 +69,7 @@ def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_
     from .metrics import ServerMetrics
 
     if max_num_seqs is None:  # batch where the runner can
-        from ..ov.runners import OVPagedTarget
+        from ..ov.paged import OVPagedTarget
 
         max_num_seqs = DEFAULT_MAX_NUM_SEQS if isinstance(pipe.target, OVPagedTarget) else 1
     if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:

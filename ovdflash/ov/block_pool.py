@@ -1,0 +1,271 @@
+"""The books of the batched paged target's KV blocks: bookings, block tables, the free list, the prefix cache.
+
+Contract:
+- `BlockPool(pool_blocks, block_tokens, max_length, grow, initial_blocks=16, caches_prefixes=True)`
+  keeps the books of ONE pool of `pool_blocks` blocks of `block_tokens` tokens that every sequence
+  takes its blocks from; it holds no tensor. `grow(needed, limit)` makes the storage hold `needed`
+  blocks at least and `limit` at most, and returns how many it holds (`PagedKV.fit_blocks`: by
+  doubling); the pool asks it for `initial_blocks` first and for more only when no allocated block
+  is free. Freed blocks go on a free list and are reused.
+- `reserve(seq_id, num_tokens, prompt_ids=None)` books the blocks a sequence can ever write (at
+  most `max_length` tokens); False when the pool has too few free blocks now (the scheduler keeps it
+  waiting); a booking larger than the whole pool is a `PoolExhaustedError` (a ValueError).
+  `release(seq_id)` returns them. `write(seq_id, num_tokens)` takes the blocks the sequence's next
+  forward writes, always within its booking, so no inference ever runs out of cache, and returns its
+  past length and block table. `commit(seq_id, k, token_ids=None)` keeps the first k tokens of that
+  forward (the next one overwrites the rest); `slots(seq_id, start, end)`: the (block, slot) of
+  positions start..end-1.
+- Prefix caching (`caches_prefixes`): every full block of committed tokens (their `token_ids` given
+  to `commit`) is kept under a digest of its tokens and all tokens before it (`block_digest`).
+  `reserve` with prompt_ids shares the cached blocks that begin the prompt (its last token excluded,
+  so at least one token is prefilled): `committed(seq_id)` then starts at their tokens and
+  `matched_blocks(seq_id)` names them. Shared blocks are only read: a sequence writes from its
+  committed length on, which lies past every full block. A cached block nobody holds counts as free:
+  it is evicted (least recently released first, a chain's tail before its head) when a sequence needs
+  a block and the pool is at its limit. A block is found only by its exact tokens. The digests
+  and which cached blocks are idle are `prefixes`' (a `PrefixCache`); `num_prefix_queries` /
+  `num_prefix_hits` count the prompt tokens looked up and found.
+May import: numpy and the standard library only (the tensors are the caller's).
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class PoolExhaustedError(ValueError):
+    pass
+
+
+def block_digest(previous: bytes, token_ids: np.ndarray) -> bytes:
+    """The prefix cache's key of a full block: its tokens and, through `previous`, every token before it."""
+    return hashlib.blake2b(previous + np.ascontiguousarray(token_ids, dtype=np.int64).tobytes(),
+                           digest_size=16).digest()
+
+
+@dataclass
+class SequenceBlocks:
+    """One sequence's view of the pool."""
+    committed: int = 0       # tokens with valid KV
+    pending: int = 0         # tokens of the last forward not committed yet
+    budget: int = 0          # blocks it may still take from the pool (its booking, less what it took)
+    blocks: list = field(default_factory=list)  # its block table: shared cached blocks first
+    num_hashed: int = 0      # leading blocks whose digest is known (matched or registered)
+    digest: bytes = b""      # chain digest of those blocks
+    tail_ids: list = field(default_factory=list)  # committed token ids after the hashed blocks
+    num_matched: int = 0     # leading blocks shared from the prefix cache at reserve
+
+
+class PrefixCache:
+    """Full blocks of committed tokens under their chain digest (`block_digest`), and which of them
+    nobody holds (`evictable`, oldest first: they count as free and are evicted on demand)."""
+
+    def __init__(self, block_tokens: int):
+        self.block_tokens = block_tokens
+        self.cached: dict[bytes, int] = {}       # digest -> block id
+        self.digest_of: dict[int, bytes] = {}    # block id -> digest, cached blocks only
+        self.evictable: OrderedDict[bytes, None] = OrderedDict()  # cached, held by nobody; oldest first
+
+    def match(self, prompt_ids) -> list[tuple[bytes, int]]:
+        """(digest, block id) of the cached full blocks that begin prompt_ids, its last token excluded."""
+        matched, digest = [], b""
+        ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        for b in range((len(ids) - 1) // self.block_tokens):
+            digest = block_digest(digest, ids[b * self.block_tokens:(b + 1) * self.block_tokens])
+            block = self.cached.get(digest)
+            if block is None:
+                break
+            matched.append((digest, block))
+        return matched
+
+    def add_full_blocks(self, seq: SequenceBlocks) -> None:
+        """Cache every block the sequence's committed `tail_ids` fill, under the chain digest."""
+        b = self.block_tokens
+        while len(seq.tail_ids) >= b:
+            seq.digest = block_digest(seq.digest, np.asarray(seq.tail_ids[:b]))
+            del seq.tail_ids[:b]
+            block = seq.blocks[seq.num_hashed]
+            seq.num_hashed += 1
+            if seq.digest not in self.cached:  # else another sequence computed the same block: keep that one
+                self.cached[seq.digest] = block
+                self.digest_of[block] = seq.digest
+
+    def held(self, block: int) -> None:
+        """A sequence holds the block now: it is no longer evictable."""
+        digest = self.digest_of.get(block)
+        if digest is not None:
+            self.evictable.pop(digest, None)
+
+    def idle(self, block: int) -> bool:
+        """Nobody holds the block now: a cached one becomes evictable (True), any other is free (False)."""
+        digest = self.digest_of.get(block)
+        if digest is not None:
+            self.evictable[digest] = None
+        return digest is not None
+
+    def evict(self) -> int:
+        """Forget the cached block released longest ago, and return it."""
+        digest, _ = self.evictable.popitem(last=False)
+        block = self.cached.pop(digest)
+        del self.digest_of[block]
+        return block
+
+
+class BlockPool:
+    """Bookings, block tables, free list and prefix cache of one pool of KV blocks (module contract)."""
+
+    def __init__(self, pool_blocks: int, block_tokens: int, max_length: int, grow: Callable[[int, int], int],
+                 initial_blocks: int = 16, caches_prefixes: bool = True):
+        if isinstance(pool_blocks, bool) or not isinstance(pool_blocks, (int, np.integer)) or pool_blocks < 1:
+            raise ValueError(f"pool_blocks must be an integer >= 1, got {pool_blocks!r}")
+        self.pool_blocks = int(pool_blocks)
+        self.block_tokens = block_tokens
+        self.max_length = max_length
+        self.grow = grow
+        self.caches_prefixes = caches_prefixes
+        self.num_allocated = 0     # blocks the storage holds
+        self.free: list[int] = []  # allocated blocks holding nothing
+        self.refs: dict[int, int] = {}  # block id -> sequences whose table holds it (absent: 0)
+        self.num_referenced = 0    # blocks some sequence holds
+        self.num_budgeted = 0      # blocks booked by sequences and not taken yet
+        self.num_evicted = 0
+        self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hits = 0     # of which found there
+        self.prefixes = PrefixCache(block_tokens)
+        self.seqs: dict = {}       # seq_id -> SequenceBlocks
+        self._allocate(min(initial_blocks, self.pool_blocks))
+
+    # -- counts ----------------------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_tokens)
+
+    @property
+    def num_reserved(self) -> int:
+        """Blocks the running sequences hold or may still take."""
+        return self.num_referenced + self.num_budgeted
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks a new booking may take (cached blocks nobody holds count: they are evicted on demand)."""
+        return self.pool_blocks - self.num_reserved
+
+    def pool_usage(self) -> dict[str, int]:
+        """Blocks held by running sequences (`used`), cached ones nobody holds (`cached`, evicted on
+        demand) and the rest (`free`), which add up to `pool_blocks`; `allocated`: in the storage."""
+        used, cached = self.num_referenced, len(self.prefixes.evictable)
+        return {"used": used, "cached": cached, "free": self.pool_blocks - used - cached,
+                "allocated": self.num_allocated}
+
+    # -- bookings --------------------------------------------------------------------------------
+    def reserve(self, seq_id, num_tokens: int, prompt_ids=None) -> bool:
+        """Book the blocks of num_tokens tokens; with prompt_ids (and prefix caching), the cached full
+        blocks that begin the prompt are shared instead, and `committed(seq_id)` starts at their tokens."""
+        need = self.blocks_for(min(num_tokens, self.max_length))
+        if need > self.pool_blocks:
+            raise PoolExhaustedError(f"a sequence of {num_tokens} tokens needs {need} KV blocks; the pool holds "
+                                     f"{self.pool_blocks} (raise pool_blocks)")
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id!r} is already in the batch")
+        looked_up = self.caches_prefixes and prompt_ids is not None
+        matched = self.prefixes.match(prompt_ids) if looked_up else []
+        idle_matched = sum(1 for _, block in matched if self.refs.get(block, 0) == 0)
+        if need - len(matched) + idle_matched > self.free_blocks:
+            return False
+        seq = SequenceBlocks(committed=len(matched) * self.block_tokens, budget=need - len(matched),
+                             num_hashed=len(matched), digest=matched[-1][0] if matched else b"",
+                             num_matched=len(matched))
+        for _, block in matched:
+            self._hold(block)
+            seq.blocks.append(block)
+        if looked_up:
+            self.num_prefix_queries += len(prompt_ids)
+            self.num_prefix_hits += seq.committed
+        self.num_budgeted += seq.budget
+        self.seqs[seq_id] = seq
+        return True
+
+    def release(self, seq_id) -> None:
+        seq = self.seqs.pop(seq_id)
+        for block in reversed(seq.blocks):  # a chain's tail is evicted before its head
+            self._drop(block)
+        self.num_budgeted -= seq.budget
+
+    def committed(self, seq_id) -> int:
+        return self.seqs[seq_id].committed
+
+    def matched_blocks(self, seq_id) -> list[int]:
+        """The cached blocks `reserve` shared with this sequence, in order."""
+        seq = self.seqs[seq_id]
+        return seq.blocks[:seq.num_matched]
+
+    # -- a sequence's forwards -------------------------------------------------------------------
+    def write(self, seq_id, num_tokens: int) -> tuple[int, list[int]]:
+        """Take the blocks of the sequence's next forward of num_tokens tokens; returns its past length
+        and its block table up to that forward's last token."""
+        seq = self.seqs[seq_id]
+        assert seq.pending == 0, "commit() the previous forward of this sequence first"
+        end = seq.committed + num_tokens
+        if end > self.max_length:
+            raise ValueError(f"sequence {seq_id!r} would pass the context limit ({end} > {self.max_length})")
+        need = self.blocks_for(end)
+        while len(seq.blocks) < need:
+            if seq.budget == 0:
+                raise PoolExhaustedError(f"a sequence wrote past its booking ({end} tokens)")
+            block = self._take_block()
+            seq.budget -= 1
+            self.num_budgeted -= 1
+            self._hold(block)
+            seq.blocks.append(block)
+        seq.pending = num_tokens
+        return seq.committed, seq.blocks[:need]
+
+    def commit(self, seq_id, num_kept: int, token_ids=None) -> None:
+        """Keep the first num_kept tokens of the last forward. With their token_ids (prefix caching),
+        every block they fill joins the prefix cache."""
+        seq = self.seqs[seq_id]
+        assert 0 < num_kept <= seq.pending
+        seq.committed += num_kept
+        seq.pending = 0
+        if self.caches_prefixes and token_ids is not None:
+            assert len(token_ids) == num_kept
+            seq.tail_ids.extend(int(t) for t in token_ids)
+            self.prefixes.add_full_blocks(seq)
+
+    def slots(self, seq_id, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """(block ids, slots in them) of the sequence's positions start..end-1."""
+        positions = np.arange(start, end)
+        return np.asarray(self.seqs[seq_id].blocks)[positions // self.block_tokens], positions % self.block_tokens
+
+    # -- blocks ----------------------------------------------------------------------------------
+    def _allocate(self, needed: int) -> None:
+        allocated = self.grow(needed, self.pool_blocks)
+        self.free.extend(range(self.num_allocated, allocated))
+        self.num_allocated = allocated
+
+    def _take_block(self) -> int:
+        if not self.free and self.num_allocated < self.pool_blocks:
+            self._allocate(self.num_allocated + 1)
+        if self.free:
+            return self.free.pop()
+        self.num_evicted += 1
+        return self.prefixes.evict()  # bookings guarantee one: see free_blocks
+
+    def _hold(self, block: int) -> None:
+        count = self.refs.get(block, 0)
+        if count == 0:
+            self.num_referenced += 1
+            self.prefixes.held(block)
+        self.refs[block] = count + 1
+
+    def _drop(self, block: int) -> None:
+        count = self.refs.pop(block) - 1
+        if count:
+            self.refs[block] = count
+            return
+        self.num_referenced -= 1
+        if not self.prefixes.idle(block):
+            self.free.append(block)
