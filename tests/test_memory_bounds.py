@@ -129,3 +129,51 @@ def test_free_heap_goes_back_on_glibc():
     blocks = [bytearray(64 << 10) for _ in range(2000)]  # 128 MB of the C heap, then freed
     del blocks
     assert release_free_heap() is (platform.libc_ver()[0] == "glibc")
+
+
+class InstantBackend:
+    """A server backend whose every request finishes at its first step (no model)."""
+
+    def __init__(self):
+        self.waiting = []
+
+    num_running = property(lambda self: 0)
+    num_waiting = property(lambda self: len(self.waiting))
+
+    def has_unfinished(self):
+        return bool(self.waiting)
+
+    def add(self, request_id, prompt_ids, params):
+        self.waiting.append(request_id)
+
+    def abort(self, request_id):
+        return []
+
+    def step(self):
+        from ovdflash.decode.stats import GenerationStats
+        from ovdflash.server.engine import RequestOutput
+
+        done, self.waiting = self.waiting, []
+        return [RequestOutput(r, "x", 1, True, "length", GenerationStats()) for r in done]
+
+
+def test_the_server_trims_the_heap_as_requests_finish(monkeypatch):
+    import asyncio
+
+    from ovdflash.ov import memory
+    from ovdflash.server import engine as server_engine
+
+    trims = []
+    monkeypatch.setattr(memory, "release_free_heap", lambda: trims.append(1) or True)
+    monkeypatch.setattr(server_engine, "TRIM_INTERVAL_S", 0.0)
+
+    async def run():
+        engine = server_engine.AsyncEngine(InstantBackend(), max_num_seqs=1, max_queue=8)
+        engine.start()
+        for i in range(5):
+            outputs = [o async for o in engine.add(f"r{i}", [1, 2], server_engine.RequestParams(max_tokens=1))]
+            assert outputs[-1].finished
+        engine.close()
+
+    asyncio.run(run())
+    assert len(trims) >= 5  # each finished request (and the idle worker) gives the free heap back

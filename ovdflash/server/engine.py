@@ -13,8 +13,8 @@ Contract:
   worker. `begin_shutdown(drain_s)`: no new requests; open ones may finish for `drain_s`
   seconds, then end with finish_reason "abort" at their next round. `close()` stops the worker.
 - The worker owns the pipeline: no other thread touches it while the engine runs. Every
-  `TRIM_EVERY` finished requests, and when it runs out of work, it hands the C heap's free pages
-  back to the kernel (ovdflash.ov.memory.release_free_heap), so resident memory follows use. It
+  time a request finishes (at most every `TRIM_INTERVAL_S`), and when it runs out of work, it hands
+  the C heap's free pages back to the kernel (ovdflash.ov.memory.release_free_heap), so resident memory follows use. It
   records metrics (ServerMetrics) for every request it finishes, answered or not, and a failure
   inside a request ends that request with "error" and one log line, not the server.
 """
@@ -31,8 +31,8 @@ from ..decode.stats import GenerationStats
 logger = logging.getLogger("ovdflash.server")
 
 
-# finished requests between two trims of the C heap (one trim costs about a millisecond)
-TRIM_EVERY = 32
+# shortest time between two trims of the C heap (a trim costs a few milliseconds on a loaded server)
+TRIM_INTERVAL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ class AsyncEngine:
         from ..ov.memory import release_free_heap
 
         timing: dict[str, list] = {}  # request id -> [arrival, first output time or None]
-        finished_since_trim = 0
+        finished_since_trim, last_trim = 0, time.monotonic()
         try:
             while True:
                 with self._cond:
@@ -204,9 +204,9 @@ class AsyncEngine:
                     outputs += self.scheduler.step()
                 self._publish(outputs, timing)
                 finished_since_trim += sum(o.finished for o in outputs)
-                if finished_since_trim >= TRIM_EVERY:
+                if finished_since_trim and time.monotonic() - last_trim >= TRIM_INTERVAL_S:
                     release_free_heap()
-                    finished_since_trim = 0
+                    finished_since_trim, last_trim = 0, time.monotonic()
                 if stop and not self.scheduler.has_unfinished():
                     return
         except BaseException as exc:  # the engine itself broke: fail every open request, keep serving errors
