@@ -20,7 +20,7 @@ Contract:
 - `abort(request_id) -> GenerationResult | None` drops a waiting or running request (its blocks
   and drafter go back at once); the result keeps what was generated, finish_reason "abort".
 - Text and token ids equal `DFlashPipeline.generate` for the same prompt and arguments (greedy
-  exactly; sampled with the same seed, the same draws): the scheduler's events are engine.generate's.
+  exactly; sampled with the same seed, the same draws): the scheduler's events are decode.sequence.generate's.
 - The pipeline's batch side, each function the `DFlashPipeline` method of its name (the pipeline's
   contract): `batch_target(pipe, pool_blocks=None)`, the batched paged runner on the pipeline's
   compiled target (ov.paged_batch.batch_target_for), made again when pool_blocks or the pipeline's

@@ -98,11 +98,16 @@ class OracleDrafter:
     def __init__(self, sequence, block_size=4, error_rate=0.25, vocab=256, seed=0):
         self.sequence, self.block_size, self.error_rate, self.vocab = sequence, block_size, error_rate, vocab
         self.rng = np.random.default_rng(seed)
+        self.context_len = 0  # decode.round.DrafterRunner: it keeps no context, so any cut is exact
 
     def reset(self):
-        pass
+        self.context_len = 0
+
+    def rewind(self, num_kept):
+        self.context_len = num_kept
 
     def propose(self, last, ctx_feats, start, num_drafts):
+        self.context_len = start
         drafts = np.array(self.sequence[start + 1:start + 1 + num_drafts] + [0] * num_drafts)[:num_drafts]
         corrupt = self.rng.random(num_drafts) < self.error_rate
         drafts[corrupt] = (drafts[corrupt] + 1) % self.vocab

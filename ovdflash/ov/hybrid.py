@@ -14,7 +14,7 @@ Contract (docs/DESIGN.md, "Hybrid targets: exact rollback of linear-attention st
   [1, conv_dim, K-1+T] (old conv state followed by this call's conv inputs), `recurrent_state_out.<i>`
   (the state after all T tokens) and the loop's inputs `gdn_key.<i>`, `gdn_value.<i>`, `gdn_g.<i>`,
   `gdn_beta.<i>`, which is all a replay needs.
-* `HybridTarget` implements `engine.TargetRunner`. The K/V of the full-attention layers roll back
+* `HybridTarget` implements `decode.sequence.TargetRunner`. The K/V of the full-attention layers roll back
   as in `runners.OVTarget` (physical mask, logical positions, rare compaction). The linear-attention
   state rolls back exactly by snapshot and replay: a forward never changes the host-held committed
   states (the snapshot costs nothing), and `commit(n)` of T tokens sets each conv state to the
@@ -108,7 +108,7 @@ def replay_graph(target_model: ov.Model) -> ov.Model:
 
 
 class HybridTarget(OVTarget):
-    """engine.TargetRunner for a hybrid target IR (module contract)."""
+    """decode.sequence.TargetRunner for a hybrid target IR (module contract)."""
 
     kind = "hybrid"  # one of ovdflash.TARGET_RUNNERS
     rewinds_exactly = False  # prefix reuse may extend its cached tokens, never cut them

@@ -149,7 +149,7 @@ class PagedKV:
 
 
 class OVPagedTarget(LogitRows, PagedKV):
-    """engine.TargetRunner on the target after openvino's paged-attention transformation
+    """decode.sequence.TargetRunner on the target after openvino's paged-attention transformation
     (`compile_runners(..., target_runner="paged")`), the attention openvino.genai runs.
 
     The KV cache (`PagedKV`) holds one sequence in blocks 0, 1, 2, ... in order. A forward writes
@@ -167,7 +167,7 @@ class OVPagedTarget(LogitRows, PagedKV):
     kind = "paged"  # one of ovdflash.TARGET_RUNNERS
     rewinds_exactly = True  # `rewind` to any committed length (the next forward overwrites the rest)
     pending = 0  # tokens of the last forward not yet committed
-    num_compactions = 0  # engine.TargetRunner: never compacts
+    num_compactions = 0  # decode.sequence.TargetRunner: never compacts
     no_cache_inputs = ("the paged-attention transformation left this target without key_cache.* inputs "
                        "(an attention pattern openvino does not convert): use target_runner='stateful'")
 

@@ -2,7 +2,7 @@
 
 Contract:
 - `OVPagedBatchTarget(compiled, max_length, pool_blocks=None, prefix_caching=True)` implements
-  `scheduler.BatchTarget` on the compiled paged target (the one `OVPagedTarget` runs, through its
+  `decode.scheduler.BatchTarget` on the compiled paged target (the one `OVPagedTarget` runs, through its
   own InferRequest). Its KV tensors, requests and flattened inference are `paged.PagedKV`'s; the
   books of its blocks are `pool`'s, a `block_pool.BlockPool` (bookings, block tables, free list,
   prefix cache: its contract), read through the target (`reserve`, `release`, `committed`,
@@ -119,7 +119,7 @@ def _pooled(*names: str) -> tuple:
 
 
 class OVPagedBatchTarget(PagedKV):
-    """scheduler.BatchTarget on the paged target (module contract): its KV tensors and inference are
+    """decode.scheduler.BatchTarget on the paged target (module contract): its KV tensors and inference are
     `PagedKV`'s, the books of its blocks `pool`'s (a `BlockPool`), and with prefix caching `features`
     holds the target features of every block's tokens."""
 

@@ -3,8 +3,8 @@
 Contract:
 - `build_ray_app(model_dir=None, replicas=2, num_cpus_per_replica=None, **options)` -> a
   `ray.serve.Application` to pass to `serve.run` (for people who compose their own). Every replica
-  loads and warms up its own pipeline with `cmd_serve.load_pipeline` and serves the same FastAPI
-  app as `ovdflash serve` (`cmd_serve.build_server_app`), so requests, responses, errors and
+  loads and warms up its own pipeline with `wiring.load_pipeline` and serves the same FastAPI
+  app as `ovdflash serve` (`wiring.build_server_app`), so requests, responses, errors and
   limits are the same. `options` are `serve`'s (ServeOptions' fields). A replica reserves
   `ray_actor_options={"num_cpus": n}` and compiles with `INFERENCE_NUM_THREADS` = n (at least 1;
   an explicit `-c INFERENCE_NUM_THREADS=...` wins). Default n: this host's CPUs / replicas.
