@@ -84,10 +84,11 @@ class HybridTextWrapper(torch.nn.Module):
         window = torch.cat([conv_state, mixed], dim=-1)                   # [B, conv_dim, K-1+T]
         conv = F.silu(F.conv1d(window, gdn.conv1d.weight, gdn.conv1d.bias, padding=0, groups=gdn.conv_dim))
         q, k, v = torch.split(conv.transpose(1, 2), [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
-        q = q.reshape(b, t, -1, gdn.head_k_dim)
-        k = k.reshape(b, t, -1, gdn.head_k_dim)
-        v = v.reshape(b, t, -1, gdn.head_v_dim)
-        z = gdn.in_proj_z(x).reshape(b, t, -1, gdn.head_v_dim)
+        # static head counts: the CPU plugin fuses the loop into its GatedDeltaNet kernel only then
+        q = q.reshape(b, -1, gdn.num_k_heads, gdn.head_k_dim)
+        k = k.reshape(b, -1, gdn.num_k_heads, gdn.head_k_dim)
+        v = v.reshape(b, -1, gdn.num_v_heads, gdn.head_v_dim)
+        z = gdn.in_proj_z(x).reshape(b, -1, gdn.num_v_heads, gdn.head_v_dim)
         beta = gdn.in_proj_b(x).sigmoid()
         g = -gdn.A_log.float().exp() * F.softplus(gdn.in_proj_a(x).float() + gdn.dt_bias)
         if gdn.num_v_heads // gdn.num_k_heads > 1:

@@ -82,6 +82,20 @@ def test_manifest_and_ir_layout(pair):
     assert ops.count("Loop") == 3  # one recurrence per Gated DeltaNet layer
 
 
+def layer_types(compiled) -> list[str]:
+    return [op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ops()]
+
+
+def test_linear_attention_runs_as_the_fused_gated_delta_net_kernel(pipe):
+    """Each linear-attention layer of the target, and of the rollback's replay graph, compiles to the
+    CPU plugin's GatedDeltaNet: no per-token TensorIterator or Loop is left."""
+    num_linear = len(_manifest(pipe.model_dir)["hybrid"]["linear_attention_layers"])
+    for compiled in (pipe.target.compiled, pipe.target.replay):
+        types = layer_types(compiled)
+        assert types.count("GatedDeltaNet") == num_linear, sorted(set(types))
+        assert not {"TensorIterator", "Loop"} & set(types)
+
+
 def test_logits_and_features_equal_hf_over_prefill_and_steps(pair, hf):
     layer_ids = [3, 0, 2, 1]  # every layer, linear and full attention, shuffled
     tokens = np.random.RandomState(1).randint(0, 400, size=20)

@@ -85,6 +85,13 @@ def linear_layer_ids(model) -> list[int]:
     return sorted(int(n[len(RECURRENT_STATE):]) for n in names if n.startswith(RECURRENT_STATE))
 
 
+def scaled_query(key) -> ov.Node:
+    """key / sqrt(head size) in the form the plugin's GatedDeltaNet fusion matches (the replay's query
+    is never read, but without it the loop stays a per-token TensorIterator)."""
+    head_size = ops.convert(ops.gather(ops.shape_of(key), ops.constant(3, np.int64), ops.constant(0, np.int64)), "f32")
+    return ops.divide(key, ops.power(head_size, ops.constant(np.float32(0.5))))
+
+
 def replay_graph(target_model: ov.Model) -> ov.Model:
     """Recurrence-only graph for every linear-attention layer of `target_model`: inputs
     `recurrent_state.<i>` and the four loop inputs (any token count), outputs `recurrent_state_out.<i>`."""
@@ -99,7 +106,7 @@ def replay_graph(target_model: ov.Model) -> ov.Model:
         beta = ops.parameter([1, heads, -1], ov.Type.f32, name=f"gdn_beta.{i}")
         for p in (state, key, value, g, beta):
             p.output(0).get_tensor().set_names({p.get_friendly_name()})
-        _, final = gated_delta_loop(key, key, value, g, beta, state)  # the output rows are not needed
+        _, final = gated_delta_loop(scaled_query(key), key, value, g, beta, state)  # its output rows go unused
         result = ops.result(final)
         result.output(0).get_tensor().set_names({f"{RECURRENT_OUT}{i}"})
         params += [state, key, value, g, beta]
