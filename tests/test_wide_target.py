@@ -161,9 +161,9 @@ def test_auto_builds_the_copy_only_where_memory_allows(fp16_pair, monkeypatch):
     bin_path = fp16_pair / "target" / "openvino_model.bin"
     size = bin_path.stat().st_size
     assert wide_target.wanted(bin_path, True) and not wide_target.wanted(bin_path, False)
-    monkeypatch.setattr(wide_target, "_available_bytes", lambda: int(8 * size / wide_target.AUTO_MEMORY_SHARE))
+    monkeypatch.setattr(wide_target, "available_memory_bytes", lambda: int(8 * size / wide_target.AUTO_MEMORY_SHARE))
     assert wide_target.wanted(bin_path)
-    monkeypatch.setattr(wide_target, "_available_bytes", lambda: int(size / wide_target.AUTO_MEMORY_SHARE))
+    monkeypatch.setattr(wide_target, "available_memory_bytes", lambda: int(size / wide_target.AUTO_MEMORY_SHARE))
     assert not wide_target.wanted(bin_path)
-    monkeypatch.setattr(wide_target, "_available_bytes", lambda: None)
+    monkeypatch.setattr(wide_target, "available_memory_bytes", lambda: None)
     assert not wide_target.wanted(bin_path)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..decode.stats import GenerationStats
+from ..ov.memory import resident_bytes
 from .modes import build_runners
 from .prompts import encode_prompts
 from .report import Run, summarize
@@ -59,10 +60,8 @@ class CpuMeter:
 
 
 def rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    resident = resident_bytes()
+    return resident / 2 ** 20 if resident else float("nan")
 
 
 def measure_memory(model_dir: Path, config: dict | None = None, target_runner: str | None = None,

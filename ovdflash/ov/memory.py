@@ -12,6 +12,9 @@ Contract:
 - `release_free_heap()`: hands the free pages of the C heap back to the kernel (glibc's
   malloc_trim); the plugin's per-shape buffers come and go, and glibc keeps what they leave.
   True where it ran; nothing changes for any live allocation.
+- `resident_bytes()`: this process's resident set (0 where /proc is missing);
+  `available_memory_bytes()`: the kernel's MemAvailable (None where /proc is missing). The one
+  place the runtime, the server's metrics and the bench read either.
 """
 from __future__ import annotations
 
@@ -65,6 +68,24 @@ def release_mapped_files(paths) -> int:
         if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) == 0:
             advised += end - start
     return advised
+
+
+def resident_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def available_memory_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def release_free_heap() -> bool:

@@ -39,6 +39,7 @@ import numpy as np
 import openvino as ov
 
 from .block_pool import BlockPool
+from .memory import available_memory_bytes
 from .paged import (
     WIDE_FROM,
     OVPagedTarget,
@@ -77,12 +78,13 @@ def pool_bytes_per_block(compiled: ov.CompiledModel, prefix_caching: bool = True
 def describe_pool(compiled: ov.CompiledModel, pool_blocks: int, prefix_caching: bool = True) -> str:
     """What a pool of pool_blocks holds, for the start-up log: tokens, bytes, and the KV precision."""
     cache_inputs = cache_inputs_of(compiled)
-    tokens = pool_blocks * block_tokens_of(cache_inputs)
+    block_tokens = block_tokens_of(cache_inputs)
     kv_types = sorted({element_type.get_type_name() for _, element_type, _ in cache_inputs})
-    per_token = pool_bytes_per_block(compiled, prefix_caching) / block_tokens_of(cache_inputs)
-    kv = bytes_per_block(cache_inputs) / block_tokens_of(cache_inputs)
+    per_token = pool_bytes_per_block(compiled, prefix_caching) / block_tokens
+    kv = bytes_per_block(cache_inputs) / block_tokens
     features = f" + {(per_token - kv) / 1024:.1f} KiB of f32 prefix features" if prefix_caching else ""
-    return (f"KV cache pool: {tokens} tokens in {pool_blocks} blocks, {pool_blocks * block_tokens_of(cache_inputs) * per_token / 2 ** 20:.1f} MiB at most "
+    return (f"KV cache pool: {pool_blocks * block_tokens} tokens in {pool_blocks} blocks, "
+            f"{pool_blocks * block_tokens * per_token / 2 ** 20:.1f} MiB at most "
             f"({'/'.join(kv_types)} KV, {kv / 1024:.1f} KiB a token{features})")
 
 
@@ -91,24 +93,15 @@ def blocks_for_bytes(compiled: ov.CompiledModel, num_bytes: int, prefix_caching:
     return max(1, num_bytes // pool_bytes_per_block(compiled, prefix_caching))
 
 
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (where there is none: the physical memory)."""
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def default_pool_blocks(compiled: ov.CompiledModel, max_length: int, prefix_caching: bool = True,
                         available: int | None = None) -> int:
     """The default pool: one full-context sequence's blocks, which the batch shares (shorter
     requests run side by side in them), at most MAX_POOL_SHARE of the memory available now. A pool
     capped below one context lowers the server's context limit to what it holds."""
     one_context = -(-max_length // block_tokens_of(cache_inputs_of(compiled)))
-    share = int(MAX_POOL_SHARE * (available_memory_bytes() if available is None else available))
+    if available is None:  # no /proc/meminfo: the physical memory
+        available = available_memory_bytes() or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    share = int(MAX_POOL_SHARE * available)
     return max(1, min(one_context, blocks_for_bytes(compiled, share, prefix_caching)))
 
 

@@ -25,23 +25,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .memory import available_memory_bytes
+
 AUTO_MEMORY_SHARE = 0.25
-
-
-def _available_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def wanted(target_bin: Path, choice: bool | None = None) -> bool:
     if choice is not None:
         return bool(choice)
-    available = _available_bytes()
+    available = available_memory_bytes()
     return available is not None and 2 * target_bin.stat().st_size <= AUTO_MEMORY_SHARE * available
 
 

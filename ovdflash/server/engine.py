@@ -182,9 +182,6 @@ class AsyncEngine:
         try:
             while True:
                 with self._cond:
-                    if finished_since_trim and not (self._commands or self.scheduler.has_unfinished()):
-                        release_free_heap()  # out of work: what the last requests left goes back
-                        finished_since_trim = 0
                     while not (self._commands or self._stop or self.scheduler.has_unfinished()):
                         self._cond.wait()
                     commands, self._commands = self._commands, []
@@ -204,8 +201,9 @@ class AsyncEngine:
                     outputs += self.scheduler.step()
                 self._publish(outputs, timing)
                 finished_since_trim += sum(o.finished for o in outputs)
-                if finished_since_trim and time.monotonic() - last_trim >= TRIM_INTERVAL_S:
-                    release_free_heap()
+                out_of_work = not self.scheduler.has_unfinished()
+                if finished_since_trim and (out_of_work or time.monotonic() - last_trim >= TRIM_INTERVAL_S):
+                    release_free_heap()  # what the finished requests left goes back to the kernel
                     finished_since_trim, last_trim = 0, time.monotonic()
                 if stop and not self.scheduler.has_unfinished():
                     return

@@ -23,11 +23,10 @@ the `usage.spec_decode` objects of the responses.
 """
 from __future__ import annotations
 
-import os
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..decode.stats import GenerationStats
+from ..ov.memory import resident_bytes
 
 PREFIX = "ovdflash:"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -64,7 +63,7 @@ class ServerMetrics:
         self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting for the engine.", m, registry=r)
         self.resident = Gauge(PREFIX + "resident_memory_bytes", "Resident memory of the server process.", m,
                               registry=r)
-        self.resident.labels(model_name).set_function(resident_memory_bytes)
+        self.resident.labels(model_name).set_function(resident_bytes)
         self.pool_blocks = Gauge(PREFIX + "kv_pool_blocks", "KV cache pool blocks by state (used, cached, free).",
                                  m + ["state"], registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", m,
@@ -109,11 +108,3 @@ class ServerMetrics:
         if ttft_s is not None and num_output_tokens > 1:
             self.tpot.labels(name).observe((e2e_s - ttft_s) / (num_output_tokens - 1))
 
-
-def resident_memory_bytes() -> int:
-    """This process's resident set size (0 where /proc is missing)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, IndexError, ValueError):
-        return 0
