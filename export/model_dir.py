@@ -162,12 +162,13 @@ def _eos_bos(target_dir: Path, tcfg: dict, tok_cfg: dict, tokenizer_json: dict):
 
 
 def _hybrid_keys(info: PairInfo) -> dict:
-    """A linear-attention target runs on the hybrid runner only; its layout goes to the manifest."""
+    """A linear-attention target runs on the paged runner (the plugin's paged Gated DeltaNet ops; batched)
+    or the stateful hybrid one; its layout goes to the manifest."""
     if info.arch not in HYBRID_ARCHS:
         return {}
     from .qwen3_5 import hybrid_geometry
 
-    return {"target_runner": "hybrid", "hybrid": hybrid_geometry(info.target_config)}
+    return {"target_runner": "paged", "hybrid": hybrid_geometry(info.target_config)}
 
 
 def check_default_block_size(value, block_size: int) -> int | str:

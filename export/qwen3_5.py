@@ -81,8 +81,11 @@ class HybridTextWrapper(torch.nn.Module):
         gdn = layer.linear_attn
         b, t, _ = x.shape
         mixed = gdn.in_proj_qkv(x).transpose(1, 2)                       # [B, conv_dim, T]
-        window = torch.cat([conv_state, mixed], dim=-1)                   # [B, conv_dim, K-1+T]
-        conv = F.silu(F.conv1d(window, gdn.conv1d.weight, gdn.conv1d.bias, padding=0, groups=gdn.conv_dim))
+        window = torch.cat([conv_state, mixed], dim=-1)                   # [B, conv_dim, K+T]
+        # the last K inputs are the state (HF's layout) and a Slice keeps the last T outputs: the
+        # pattern the plugin's PagedCausalConv1DFusion matches
+        conv = F.conv1d(window, gdn.conv1d.weight, gdn.conv1d.bias, padding=0, groups=gdn.conv_dim)
+        conv = F.silu(conv[:, :, -t:])
         q, k, v = torch.split(conv.transpose(1, 2), [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
         # static head counts: the CPU plugin fuses the loop into its GatedDeltaNet kernel only then
         q = q.reshape(b, -1, gdn.num_k_heads, gdn.head_k_dim)
@@ -204,16 +207,16 @@ def convert_qwen3_5(hf_dir):
     gen = torch.Generator().manual_seed(0)
     example = [torch.randint(0, cfg.vocab_size, (1, t)), torch.ones(1, past + t, dtype=torch.int64),
                torch.arange(past, past + t)[None]]
-    shapes = [ov.PartialShape([1, -1])] * 3
+    shapes = [ov.PartialShape([-1, -1])] * 3  # any batch: openvino's paged transformation needs it
     for _ in linear:
-        conv = [1, gdn.conv_dim, gdn.conv_kernel_size - 1]
+        conv = [1, gdn.conv_dim, gdn.conv_kernel_size]
         rec = [1, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim]
         example += [torch.randn(*conv, generator=gen), torch.randn(*rec, generator=gen) * 0.1]
-        shapes += [ov.PartialShape(conv), ov.PartialShape(rec)]
+        shapes += [ov.PartialShape([-1, *conv[1:]]), ov.PartialShape([-1, *rec[1:]])]
     kv_shape = [1, cfg.num_key_value_heads, past, cfg.head_dim]
     for _ in full:
         example += [torch.randn(*kv_shape, generator=gen), torch.randn(*kv_shape, generator=gen)]
-        shapes += [ov.PartialShape([1, cfg.num_key_value_heads, -1, cfg.head_dim])] * 2
+        shapes += [ov.PartialShape([-1, cfg.num_key_value_heads, -1, cfg.head_dim])] * 2
     with torch.no_grad():
         ov_model = ov.convert_model(
             wrapper, example_input=tuple(example),

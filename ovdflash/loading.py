@@ -64,6 +64,9 @@ def from_pretrained(cls, model_dir: str | Path | None = None, device: str = "CPU
     target, drafter = compile_runners(model_dir, manifest, device, config, with_drafter=draft,
                                       use_draft_vocab=use_draft_vocab,
                                       target_runner=target_runner, wide_target=wide_target)
+    linear = getattr(target, "linear", None)
+    if linear is not None:  # a verify of a whole block must keep a linear-attention state per token
+        linear.max_checkpoints = max(linear.max_checkpoints, int(manifest["block_size"]))
     if wide_copy_ir(target) is not None:
         target.calibrate_wide()  # which call sizes the f32-weight copy runs, on this host
     tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None

@@ -34,16 +34,16 @@ IR_FILES = (TARGET_XML, TARGET_XML[:-4] + ".bin", DRAFTER_XML, DRAFTER_XML[:-4] 
 # paged-attention transformation at load time: host-held block caches, rollback by past_lens;
 # cheaper target calls than the stateful IR at every verify width measured, docs/BENCHMARKS.md)
 # or "stateful" (the IR as exported: KV in ReadValue/Assign states, SDPA, mask-based rollback).
-# A manifest may set `target_runner`; a caller's choice wins over both. "hybrid": a target with
-# linear-attention layers (Qwen3.5), the only runner for one (ovdflash.ov.hybrid: exact state rollback).
+# A manifest may set `target_runner`; a caller's choice wins over both. A target with linear-attention
+# layers (Qwen3.5, a "hybrid" manifest key) runs on "paged" or on "hybrid" (ovdflash.ov.hybrid).
 TARGET_RUNNERS = ("paged", "stateful", "hybrid")
 DEFAULT_TARGET_RUNNER = "paged"
 
 
 def runners_for(manifest: dict) -> tuple[str, ...]:
     """The target runners that can run this model directory's target."""
-    if manifest.get("target_runner") == "hybrid":
-        return ("hybrid",)
+    if manifest.get("target_runner") == "hybrid" or "hybrid" in manifest:
+        return ("paged", "hybrid")
     return tuple(r for r in TARGET_RUNNERS if r != "hybrid")
 
 # How many tokens a drafter pass runs when a round verifies k drafts. "full_block": always the block

@@ -223,10 +223,11 @@ def test_a_cache_of_other_runners_is_refused(pipes):
         next(events)
 
 
-def test_hybrid_target_reuses_only_an_extension(export_tiny_pair, tmp_path):
+@pytest.mark.parametrize("runner", ["paged", "hybrid"])
+def test_hybrid_target_reuses_only_an_extension(export_tiny_pair, tmp_path, runner):
     pair = export_tiny_pair(arch="qwen3_5_text", target_layer_ids=(1, 3))
-    pipe, ref = load(pair, tmp_path), load(pair, tmp_path, prefix_cache=False)
-    assert pipe.target.kind == "hybrid"
+    pipe, ref = load(pair, tmp_path, runner), load(pair, tmp_path, runner, prefix_cache=False)
+    assert pipe.target.kind == runner and not pipe.target.rewinds_exactly
     rng = np.random.default_rng(5)
     prompt = rng.integers(0, 400, 20).tolist()
     out, _ = run(pipe, prompt)

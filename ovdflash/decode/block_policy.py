@@ -426,7 +426,9 @@ def measure_batch_costs(target, drafter, max_tokens: int, max_drafts: int, repet
     one of the same size: the plugin's first call after a shape change costs more, and a batch's
     rounds mostly repeat their size. Leaves both runners as it found them (the calibration
     sequence is released; the drafter is reset)."""
-    sizes = [t for t in BATCH_CALL_SIZES if t <= max_tokens] or [1]
+    # a hybrid target keeps a state per token only for calls up to its limit: larger ones are learnt online
+    limit = getattr(getattr(target, "linear", None), "max_checkpoints", max_tokens)
+    sizes = [t for t in BATCH_CALL_SIZES if t <= min(max_tokens, limit)] or [1]
     key = ("calibration", id(target))
     budget = context_tokens + 2 * repetitions * len(sizes) + max(sizes)
     if budget >= target.max_length or not target.reserve(key, budget):

@@ -73,6 +73,10 @@ def runtime_target_graph(target_model: ov.Model, manifest: dict, target_runner: 
     if parse_target_runner(target_runner) == "paged":
         from openvino._offline_transformations import paged_attention_transformation
 
+        from .hybrid import has_linear_states, linear_states_as_variables
+
+        if has_linear_states(target_model):
+            linear_states_as_variables(target_model)
         paged_attention_transformation(target_model)
     return graphs.target_for_runtime(target_model, manifest["target_layer_ids"])
 

@@ -9,21 +9,25 @@ Contract (docs/DESIGN.md, "Hybrid targets: exact rollback of linear-attention st
   the runtime builds the replay graph with it, so both run the same loop body.
 * The hybrid target IR (export stage: `ovdflash_export.qwen3_5`) keeps the full-attention K/V in
   ReadValue/Assign states (as the stateful runner's IR) and takes the Gated DeltaNet states as
-  plain inputs, host-held: `conv_state.<i>` [1, conv_dim, K-1] and `recurrent_state.<i>`
-  [1, H, dk, dv] per linear-attention layer i. It outputs, per such layer, `conv_window.<i>`
-  [1, conv_dim, K-1+T] (old conv state followed by this call's conv inputs), `recurrent_state_out.<i>`
+  plain inputs, host-held: `conv_state.<i>` [B, conv_dim, K] (the last K conv inputs) and
+  `recurrent_state.<i>` [B, H, dk, dv] per linear-attention layer i (any batch B; the runners use
+  1). It outputs, per such layer, `conv_window.<i>` [B, conv_dim, K+T] (old conv state followed by
+  this call's conv inputs), `recurrent_state_out.<i>`
   (the state after all T tokens) and the loop's inputs `gdn_key.<i>`, `gdn_value.<i>`, `gdn_g.<i>`,
   `gdn_beta.<i>`, which is all a replay needs.
 * `HybridTarget` implements `decode.sequence.TargetRunner`. The K/V of the full-attention layers roll back
   as in `runners.OVTarget` (physical mask, logical positions, rare compaction). The linear-attention
   state rolls back exactly by snapshot and replay: a forward never changes the host-held committed
   states (the snapshot costs nothing), and `commit(n)` of T tokens sets each conv state to the
-  window's columns n..n+K-2 and each recurrent state to the forward's final state when n == T (every
+  window's columns n..n+K-1 and each recurrent state to the forward's final state when n == T (every
   AR step and prefill, and fully accepted blocks), else to a replay of the n kept tokens' loop
   inputs from the committed state, one call of a recurrence-only graph for all layers
   (`replay_graph`). Every forward reads the committed states, so a round with no drafts never
   sees a stale one. `num_replays` counts replays. `rewinds_exactly` is False: `rewind` only keeps
   the committed length (prefix reuse across calls extends a cached sequence, never cuts it).
+* `linear_states_as_variables(model)` turns those host-held ports into ReadValue/Assign states for
+  the paged runner: openvino's paged-attention transformation then runs each linear-attention
+  layer as PagedCausalConv1D + PagedGatedDeltaNet over state tables (`ov.linear_states`).
 """
 from __future__ import annotations
 
@@ -130,7 +134,7 @@ class HybridTarget(OVTarget):
         self.states = {}
         for i in self.linear_layers:
             for prefix in (CONV_STATE, RECURRENT_STATE):
-                shape = [d.get_length() for d in inputs[f"{prefix}{i}"].get_partial_shape()]
+                shape = [1] + [d.get_length() for d in inputs[f"{prefix}{i}"].get_partial_shape()[1:]]
                 self.states[f"{prefix}{i}"] = np.zeros(shape, dtype=np.float32)
         self.replay = replay
         self.replay_request = replay.create_infer_request() if replay is not None else None
@@ -171,6 +175,62 @@ class HybridTarget(OVTarget):
             for i in self.linear_layers:
                 self.states[f"{RECURRENT_STATE}{i}"][...] = self.replay_request.get_tensor(f"{RECURRENT_OUT}{i}").data
             self.num_replays += 1
+
+
+def has_linear_states(model: ov.Model) -> bool:
+    """True for a hybrid target IR (it takes `recurrent_state.<i>` inputs)."""
+    return bool(linear_layer_ids(model))
+
+
+def linear_states_as_variables(model: ov.Model) -> ov.Model:
+    """In place (and returned): every host-held Gated DeltaNet port of a hybrid target IR becomes a
+    ReadValue/Assign state, the form openvino's paged-attention transformation turns into its
+    PagedCausalConv1D / PagedGatedDeltaNet ops with per-sequence state tables. The conv state keeps
+    the last K conv inputs (the export's layout since the paged ops); an older export's K-1 is a
+    ValueError naming the fix."""
+    from openvino.op.util import Variable, VariableInfo
+
+    results = {r.output(0).get_any_name(): r for r in model.get_results()}
+    batch = ops.gather(ops.shape_of(model.input("input_ids")), ops.constant([0], np.int64), ops.constant(0, np.int64))
+    assigns = []
+    for i in linear_layer_ids(model):
+        for prefix, out_prefix in ((CONV_STATE, CONV_WINDOW), (RECURRENT_STATE, RECURRENT_OUT)):
+            param = model.input(f"{prefix}{i}").get_node()
+            tail = [d.get_length() for d in param.get_partial_shape()[1:]]
+            source = results[f"{out_prefix}{i}"].input_value(0)
+            if prefix == CONV_STATE:
+                width = source.get_partial_shape()[1].get_length()
+                kernel = next(t.get_node().get_input_partial_shape(1)[-1].get_length()
+                              for t in source.get_target_inputs() if t.get_node().get_type_name() == "GroupConvolution")
+                if tail[-1] != kernel:
+                    raise ValueError(f"this hybrid target IR keeps {tail[-1]} conv inputs per layer, the paged "
+                                     f"runner needs {kernel}: re-export it (ovdflash export)")
+                assert width == tail[0]
+                new_value = ops.slice(source, ops.constant([-kernel], np.int64),
+                                      ops.constant([np.iinfo(np.int64).max], np.int64),
+                                      ops.constant([1], np.int64), ops.constant([2], np.int64))
+            else:
+                new_value = source  # the Loop's final-state output
+            info = VariableInfo()
+            info.data_shape = ov.PartialShape([-1, *tail])
+            info.data_type = ov.Type.f32
+            info.variable_id = f"{prefix}{i}"
+            variable = Variable(info)
+            zeros = ops.broadcast(ops.constant(np.float32(0)),
+                                  ops.concat([batch, ops.constant(np.array(tail, np.int64))], 0))
+            state = ov.opset13.read_value(zeros, variable)
+            for target in list(param.output(0).get_target_inputs()):
+                target.replace_source_output(state.output(0))
+            model.remove_parameter(param)
+            assign = ov.opset13.assign(zeros, variable)  # its value is set below: assign() takes a node
+            assign.input(0).replace_source_output(new_value.output(0) if isinstance(new_value, ov.Node) else new_value)
+            assigns.append(assign)
+    for name, result in results.items():
+        if name.startswith((CONV_WINDOW, RECURRENT_OUT, *LOOP_INPUTS)):
+            model.remove_result(result)
+    model.add_sinks(assigns)
+    model.validate_nodes_and_infer_types()
+    return model
 
 
 def compile_hybrid_target(core: ov.Core, target_model: ov.Model, manifest: dict, device: str, config: dict,

@@ -6,12 +6,25 @@ Contract:
   `hybrid`), so a tool or test may replace it there for that module's requests.
 - `LogitRows._logit_rows(num, all_logits)`: the `logits_indices` of a forward of num tokens: all
   rows (a reused buffer, grown as needed) or the last one.
+- `grow_rows(tensors, inputs, kept, rows)`: every host tensor of `inputs` ((name, element type, shape
+  of one row)) in `tensors` replaced by one of `rows` rows holding the first `kept` of the old one
+  (the paged KV blocks and the linear-attention state slots grow so).
 May import: numpy and openvino only (every other module of `ov` imports this one).
 """
 from __future__ import annotations
 
 import numpy as np
 import openvino as ov
+
+
+def grow_rows(tensors: dict, inputs, kept: int, rows: int) -> None:
+    """`tensors[name]` for every input: `rows` rows, the first `kept` copied from the old tensor."""
+    for name, element_type, shape in inputs:
+        tensor = ov.Tensor(element_type, [rows, *shape])
+        old = tensors.get(name)
+        if old is not None:
+            tensor.data[:kept] = old.data[:kept]
+        tensors[name] = tensor
 
 
 def run_request(request: ov.InferRequest, inputs: dict) -> None:

@@ -19,7 +19,7 @@ Contract:
 - `OVPagedTarget` implements decode's `TargetRunner` on it for one sequence in blocks 0, 1, 2, ...
   in order: `past_lens` = committed tokens, so a rollback is `commit(k)` alone and the next forward
   overwrites the rejected slots. `calibrate_wide()` times the f32-weight copy on this host.
-May import: numpy, openvino and `.inference`; `runners` and `paged_batch` build on this module.
+May import: numpy, openvino, `.inference` and `.linear_states`; `runners` and `paged_batch` build on this module.
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-from .inference import LogitRows, run_request
+from .inference import LogitRows, grow_rows, run_request
+from .linear_states import LinearStateSlots, state_table_inputs
 
 # calls of this many tokens or more run on the paged target's f32-weight copy until calibrate_wide measures
 WIDE_FROM = 5
@@ -88,14 +89,16 @@ class PagedKV:
         self.caches: dict[str, ov.Tensor] = {}
         self.num_blocks = 0  # allocated in the host tensors
         self.num_cache_grows = 0
+        # a hybrid target's linear-attention states: per-sequence slots beside the KV blocks
+        self.linear = LinearStateSlots(compiled) if state_table_inputs(compiled) else None
+        if self.linear is not None:
+            if wide is not None and state_table_inputs(wide) != self.linear.table_inputs:
+                raise ValueError("the wide target's linear-attention state tables differ from the target's")
+            self.linear.bind(self.request, self.wide_request)
 
     def _grow(self, num_blocks: int) -> None:
-        for name, element_type, shape in self.cache_inputs:
-            tensor = ov.Tensor(element_type, [num_blocks, *shape])
-            old = self.caches.get(name)
-            if old is not None:
-                tensor.data[: self.num_blocks] = old.data[: self.num_blocks]
-            self.caches[name] = tensor
+        grow_rows(self.caches, self.cache_inputs, self.num_blocks, num_blocks)
+        for name, tensor in self.caches.items():
             for request in (self.request, self.wide_request):
                 if request is not None:
                     request.set_tensor(name, tensor)
@@ -123,15 +126,19 @@ class PagedKV:
 
     def run_flat(self, input_ids, position_ids: np.ndarray, past_lens: np.ndarray, subsequence_begins: np.ndarray,
                  block_indices_begins: np.ndarray, block_indices: np.ndarray, max_context_len: int,
-                 logits_indices: np.ndarray) -> None:
+                 logits_indices: np.ndarray, linear_calls=None) -> None:
         """One inference of the tokens of every sequence one after another (input_ids, position_ids):
         per sequence its committed tokens (past_lens), where its tokens and its block table begin
         (subsequence_begins, block_indices_begins: one entry more than sequences, the last the totals),
         the block tables one after another (block_indices), the longest context (max_context_len), and
-        the rows to score (logits_indices, into input_ids). Runs on `request_for(len(input_ids))`."""
+        the rows to score (logits_indices, into input_ids). Runs on `request_for(len(input_ids))`.
+        A hybrid target also takes `linear_calls` = [(seq, past, num_tokens)] in the same order
+        (`LinearStateSlots.inputs`)."""
         input_ids = np.ascontiguousarray(input_ids, dtype=np.int64).reshape(-1)
         self.max_context_len[...] = max_context_len
+        linear = self.linear.inputs(linear_calls) if self.linear is not None else {}
         run_request(self.request_for(len(input_ids)), {
+            **linear,
             "input_ids": input_ids,
             "position_ids": position_ids,
             "past_lens": past_lens,
@@ -184,6 +191,8 @@ class OVPagedTarget(LogitRows, PagedKV):
         self.subsequence_begins = np.zeros(2, dtype=np.int32)
         self.block_indices_begins = np.zeros(2, dtype=np.int32)
         self._grow(initial_blocks)
+        if self.linear is not None:  # a linear-attention state keeps no earlier position
+            self.rewinds_exactly = False
         self.reset()
 
     def calibrate_wide(self, sizes=(2, 4, 5, 6, 8, 12, 16, 32), repetitions: int = 3,
@@ -193,6 +202,8 @@ class OVPagedTarget(LogitRows, PagedKV):
         and every larger one; drop it when it never is. Returns wide_from, or None."""
         if self.wide_request is None:
             return None
+        if self.linear is not None:  # a partial commit needs a state per token
+            sizes = [s for s in sizes if s <= self.linear.max_checkpoints]
         self.reset()
         self.run(np.ones(context_tokens, dtype=np.int64), np.array([context_tokens - 1]))
         self.commit(context_tokens)
@@ -220,6 +231,8 @@ class OVPagedTarget(LogitRows, PagedKV):
     def reset(self) -> None:
         self.committed = 0  # tokens with KV in the cache, all of them valid
         self.pending = 0
+        if self.linear is not None:
+            self.linear.release(0)
 
     def forward(self, token_ids: np.ndarray, all_logits: bool) -> tuple[np.ndarray, np.ndarray]:
         self.run(token_ids, self._logit_rows(len(token_ids), all_logits))
@@ -237,16 +250,21 @@ class OVPagedTarget(LogitRows, PagedKV):
         self.subsequence_begins[1] = num
         self.block_indices_begins[1] = blocks
         self.run_flat(token_ids, self.positions[past:end], self.past_lens, self.subsequence_begins,
-                      self.block_indices_begins, self.block_indices[:blocks], end, rows)
+                      self.block_indices_begins, self.block_indices[:blocks], end, rows, [(0, past, num)])
         self.pending = num
 
     def commit(self, num_kept: int) -> None:
         """Keep the first num_kept tokens of the last forward; the next forward overwrites the rest."""
         assert 0 < num_kept <= self.pending
+        if self.linear is not None:
+            self.linear.commit(0, num_kept)
         self.committed += num_kept
         self.pending = 0
 
     def rewind(self, num_kept: int) -> None:
         """Keep only the first num_kept committed tokens (free: the next forward overwrites the rest)."""
         assert self.pending == 0 and 0 <= num_kept <= self.committed
+        if self.linear is not None and num_kept != self.committed:
+            raise ValueError(f"a hybrid target cannot rewind from {self.committed} to {num_kept} tokens: "
+                             "its linear-attention state keeps no earlier position")
         self.committed = num_kept

@@ -39,6 +39,7 @@ import numpy as np
 import openvino as ov
 
 from .block_pool import BlockPool
+from .linear_states import MAX_CHECKPOINTS, state_table_inputs
 from .memory import available_memory_bytes
 from .paged import (
     WIDE_FROM,
@@ -83,9 +84,15 @@ def describe_pool(compiled: ov.CompiledModel, pool_blocks: int, prefix_caching: 
     per_token = pool_bytes_per_block(compiled, prefix_caching) / block_tokens
     kv = bytes_per_block(cache_inputs) / block_tokens
     features = f" + {(per_token - kv) / 1024:.1f} KiB of f32 prefix features" if prefix_caching else ""
-    return (f"KV cache pool: {pool_blocks * block_tokens} tokens in {pool_blocks} blocks, "
+    text = (f"KV cache pool: {pool_blocks * block_tokens} tokens in {pool_blocks} blocks, "
             f"{pool_blocks * block_tokens * per_token / 2 ** 20:.1f} MiB at most "
             f"({'/'.join(kv_types)} KV, {kv / 1024:.1f} KiB a token{features})")
+    tables = state_table_inputs(compiled)
+    if tables:  # a hybrid target: its linear-attention states live beside the pool
+        slot = sum(int(np.prod(shape)) * element_type.size for _, element_type, shape in tables)
+        text += (f"; linear-attention state {slot / 2 ** 20:.2f} MiB a slot, a sequence holds 1 "
+                 f"(+1 a verified token during a verify of up to {MAX_CHECKPOINTS})")
+    return text
 
 
 def blocks_for_bytes(compiled: ov.CompiledModel, num_bytes: int, prefix_caching: bool = True) -> int:
@@ -118,8 +125,7 @@ class OVPagedBatchTarget(PagedKV):
 
     kind = "paged-batch"
     no_cache_inputs = NO_CACHE_INPUTS
-    reserve, release, committed, blocks_for, pool_usage = _pooled(
-        "reserve", "release", "committed", "blocks_for", "pool_usage")
+    reserve, committed, blocks_for, pool_usage = _pooled("reserve", "committed", "blocks_for", "pool_usage")
     pool_blocks, free_blocks, num_reserved, num_referenced, num_budgeted = _pooled(
         "pool_blocks", "free_blocks", "num_reserved", "num_referenced", "num_budgeted")
     seqs, refs, free = _pooled("seqs", "refs", "free")
@@ -130,7 +136,8 @@ class OVPagedBatchTarget(PagedKV):
                  initial_blocks: int = 16, prefix_caching: bool = True, wide: ov.CompiledModel | None = None,
                  wide_from: int = WIDE_FROM):
         super().__init__(compiled, max_length, wide, wide_from)
-        self.caches_prefixes = bool(prefix_caching)
+        # a hybrid target's cached blocks would lack the linear-attention state of their prefix
+        self.caches_prefixes = bool(prefix_caching) and self.linear is None
         if pool_blocks is None:
             pool_blocks = default_pool_blocks(compiled, max_length, self.caches_prefixes)
         width = feature_width_of(compiled) if self.caches_prefixes else 0
@@ -146,6 +153,12 @@ class OVPagedBatchTarget(PagedKV):
             grown[:allocated] = self.features[:allocated]
             self.features = grown
 
+    def release(self, seq_id) -> None:
+        """Free a sequence's KV blocks (to the prefix cache where kept) and its linear-attention slots."""
+        self.pool.release(seq_id)
+        if self.linear is not None:
+            self.linear.release(seq_id)
+
     def cached_features(self, seq_id) -> np.ndarray | None:
         """Target features of the cached prefix `reserve` shared with this sequence (None: nothing shared)."""
         blocks = self.pool.matched_blocks(seq_id)
@@ -158,7 +171,7 @@ class OVPagedBatchTarget(PagedKV):
         past_lens = np.zeros(num_seqs, dtype=np.int32)
         subsequence_begins = np.zeros(num_seqs + 1, dtype=np.int32)
         block_indices_begins = np.zeros(num_seqs + 1, dtype=np.int32)
-        ids, positions, tables, rows_flat = [], [], [], []
+        ids, positions, tables, rows_flat, linear_calls = [], [], [], [], []
         max_context = 0
         for i, (seq_id, token_ids, rows) in enumerate(batch):
             num = len(token_ids)
@@ -170,9 +183,11 @@ class OVPagedBatchTarget(PagedKV):
             ids.append(np.asarray(token_ids, dtype=np.int64))
             positions.append(self.positions[past:past + num])
             tables.extend(table)
+            linear_calls.append((seq_id, past, num))
             max_context = max(max_context, past + num)
         self.run_flat(np.concatenate(ids), np.concatenate(positions), past_lens, subsequence_begins,
-                      block_indices_begins, np.array(tables, dtype=np.int32), max_context, np.concatenate(rows_flat))
+                      block_indices_begins, np.array(tables, dtype=np.int32), max_context, np.concatenate(rows_flat),
+                      linear_calls)
         logits, hidden = self.outputs()
         out, row = [], 0
         for i, (_, _, rows) in enumerate(batch):
@@ -185,6 +200,8 @@ class OVPagedBatchTarget(PagedKV):
         features (prefix caching), every block they fill joins the prefix cache."""
         start = self.pool.committed(seq_id)
         self.pool.commit(seq_id, num_kept, token_ids)
+        if self.linear is not None:
+            self.linear.commit(seq_id, num_kept)
         if self.caches_prefixes and token_ids is not None:  # the features stay with their block
             assert len(features) >= num_kept
             blocks, slots = self.pool.slots(seq_id, start, start + num_kept)
@@ -225,5 +242,8 @@ def paged_compiled(target) -> ov.CompiledModel:
 def batch_target_for(target, pool_blocks: int | None = None, prefix_caching: bool = True) -> OVPagedBatchTarget:
     """The batch runner beside a pipeline's single-sequence target (its compiled paged model, and its
     f32-weight copy for wide calls where it has one)."""
-    return OVPagedBatchTarget(paged_compiled(target), target.max_length, pool_blocks, prefix_caching=prefix_caching,
-                              wide=target.wide_compiled, wide_from=target.wide_from)
+    batch = OVPagedBatchTarget(paged_compiled(target), target.max_length, pool_blocks, prefix_caching=prefix_caching,
+                               wide=target.wide_compiled, wide_from=target.wide_from)
+    if batch.linear is not None:
+        batch.linear.max_checkpoints = target.linear.max_checkpoints
+    return batch

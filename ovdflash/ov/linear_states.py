@@ -1,0 +1,124 @@
+"""Per-sequence linear-attention state slots of a paged hybrid target (Qwen3.5's Gated DeltaNet layers).
+
+Contract:
+- A hybrid target after `hybrid.linear_states_as_variables` and openvino's paged-attention
+  transformation runs each linear-attention layer as the CPU plugin's PagedCausalConv1D and
+  PagedGatedDeltaNet ops. They read and write states in tables the runtime holds:
+  `conv_state_table.<n>` [slots, conv_dim, K] and `gated_delta_state_table.<n>` [slots, H, dv, dk],
+  one row (a slot) per state, placed per call by `la.block_indices` / `la.block_indices_begins`
+  (per sequence, the slot it reads, then the slots it writes), `la.past_lens` and
+  `la.cache_interval` (1: the state after every token, in its own slot; 0: the final state only).
+- `LinearStateSlots(compiled)` owns those tables (`tables`, grown by doubling, the used slots copied;
+  bound to every request given to `bind`), the free slots, and per sequence its committed slot:
+  the state after its committed tokens, zero for a new sequence.
+  * `inputs(calls)`: the `la.*` inputs of one call, calls = [(seq, past, num_tokens)] in the order of
+    the flattened tokens. A call of at most `max_checkpoints` tokens writes one checkpoint per token
+    (slot k holds the state after token k); a longer one (a prefill) writes its final state only.
+    The committed slot is only read, so a forward changes no committed state.
+  * `commit(seq, num_kept)` after that call makes the checkpoint after `num_kept` tokens the committed
+    state (a slot swap, no copy) and frees the rest; a partial commit of a final-state-only call is a
+    ValueError. A round with no accepted draft keeps the state after its one target token, never the
+    previous round's.
+  * `release(seq)` frees every slot of a sequence; `slots_per_sequence(num_tokens)` and
+    `bytes_per_slot` size the memory (docs/DESIGN.md, "Hybrid targets").
+May import: numpy, openvino, `.inference`.
+"""
+from __future__ import annotations
+
+import numpy as np
+import openvino as ov
+
+from .inference import grow_rows
+
+TABLE_PREFIXES = ("conv_state_table.", "gated_delta_state_table.")
+# the longest call that keeps a state per token; longer calls (prefills) must be committed whole
+MAX_CHECKPOINTS = 16
+
+
+def state_table_inputs(compiled: ov.CompiledModel) -> list:
+    """(name, element type, per-slot shape) of every linear-attention state table input."""
+    return [(i.get_any_name(), i.get_element_type(), [d.get_length() for d in i.get_partial_shape()[1:]])
+            for i in compiled.inputs if i.get_any_name().startswith(TABLE_PREFIXES)]
+
+
+class LinearStateSlots:
+    """The state tables and their slots (module contract)."""
+
+    def __init__(self, compiled: ov.CompiledModel, initial_slots: int = 8, max_checkpoints: int = MAX_CHECKPOINTS):
+        self.table_inputs = state_table_inputs(compiled)
+        if not self.table_inputs:
+            raise ValueError("this target has no linear-attention state tables")
+        self.max_checkpoints = max_checkpoints
+        self.bytes_per_slot = sum(int(np.prod(shape)) * t.size for _, t, shape in self.table_inputs)
+        self.tables: dict[str, ov.Tensor] = {}
+        self.requests: list[ov.InferRequest] = []
+        self.num_slots = 0
+        self.free: list[int] = []
+        self.committed: dict = {}  # seq -> slot
+        self.written: dict = {}  # seq -> (slots its last call writes, that call's tokens)
+        self._grow(initial_slots)
+
+    def bind(self, *requests) -> None:
+        """Bind the tables to these requests (and to every request after a growth)."""
+        self.requests += [r for r in requests if r is not None]
+        for request in self.requests:
+            for name, tensor in self.tables.items():
+                request.set_tensor(name, tensor)
+
+    def _grow(self, num_slots: int) -> None:
+        grow_rows(self.tables, self.table_inputs, self.num_slots, num_slots)
+        self.free += range(self.num_slots, num_slots)
+        self.num_slots = num_slots
+        self.bind()
+
+    def _take(self) -> int:
+        if not self.free:
+            self._grow(2 * self.num_slots)
+        return self.free.pop()
+
+    def slots_per_sequence(self, num_tokens: int) -> int:
+        """Slots a sequence holds during a call of num_tokens tokens (its committed one and those written)."""
+        return 1 + (num_tokens if num_tokens <= self.max_checkpoints else 1)
+
+    def inputs(self, calls) -> dict[str, np.ndarray]:
+        """The la.* inputs of one call (module contract)."""
+        tables, begins, past_lens, intervals = [], [0], [], []
+        for seq, past, num in calls:
+            if seq in self.written:
+                raise RuntimeError(f"sequence {seq!r}: commit() its previous call first")
+            if seq not in self.committed:
+                slot = self._take()
+                for tensor in self.tables.values():
+                    tensor.data[slot] = 0
+                self.committed[seq] = slot
+            checkpoints = num <= self.max_checkpoints
+            written = [self._take() for _ in range(num if checkpoints else 1)]
+            self.written[seq] = (written, num)
+            tables += [self.committed[seq], *written]
+            begins.append(len(tables))
+            past_lens.append(past)
+            intervals.append(int(checkpoints))
+        return {"la.block_indices": np.array(tables, dtype=np.int32),
+                "la.block_indices_begins": np.array(begins, dtype=np.int32),
+                "la.past_lens": np.array(past_lens, dtype=np.int32),
+                "la.cache_interval": np.array(intervals, dtype=np.int32)}
+
+    def commit(self, seq, num_kept: int) -> None:
+        written, num = self.written.pop(seq)
+        if len(written) == num:
+            kept = written[num_kept - 1]
+        elif num_kept == num:
+            kept = written[0]
+        else:
+            self.free += written
+            raise ValueError(f"a call of {num} tokens keeps only its final linear-attention state: it cannot "
+                             f"commit {num_kept} of them (calls of up to {self.max_checkpoints} tokens can)")
+        self.free.append(self.committed[seq])
+        self.free += [slot for slot in written if slot != kept]
+        self.committed[seq] = kept
+
+    def release(self, seq) -> None:
+        written, _ = self.written.pop(seq, ((), 0))
+        self.free += written
+        if seq in self.committed:
+            self.free.append(self.committed.pop(seq))
