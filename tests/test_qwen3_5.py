@@ -380,3 +380,33 @@ def test_batched_hybrid_equals_single_runs(paged_pipe):
         assert [list(r.token_ids) for r in batch] == single, kwargs
     linear = paged_pipe._batch.target.linear
     assert not linear.committed and not linear.written and len(linear.free) == linear.num_slots
+
+
+def test_paged_hybrid_prefix_reuse_cuts_back_to_kept_states(paged_pipe, pair, tmp_path):
+    """The paged hybrid runner keeps the linear-attention state at every multiple of
+    `checkpoint_every` tokens (prefill and decode rounds alike), so a prompt that parts from the
+    cached tokens reuses the longest kept prefix, and the reply equals a run without reuse."""
+    ref = DFlashPipeline.from_pretrained(pair, cache_dir=tmp_path, target_runner="paged", prefix_cache=False,
+                                         INFERENCE_NUM_THREADS=1, **STRICT_F32)
+    ref.default_block_size = paged_pipe.default_block_size
+    every = paged_pipe.target.linear.checkpoint_every
+    assert every % paged_pipe.target.block_tokens == 0
+
+    def run(pipe, prompt):
+        stats = GenerationStats()
+        out = tokens(pipe.generate_tokens(prompt, 3 * every // 4, eos_token_ids=[], stats=stats))
+        return out, stats.num_cached_prompt_tokens
+
+    rng = np.random.default_rng(9)
+    prompt = rng.integers(0, 400, 2 * every - 10).tolist()
+    out, _ = run(paged_pipe, prompt)
+    assert out == run(ref, prompt)[0]
+    assert sorted(paged_pipe.target.linear.kept_at[0]) == [every, 2 * every]  # prefill, then a decode round
+    for cut, expected in ((every + 5, every), (2 * every + 3, 2 * every), (every - 1, 0)):
+        follow = (prompt + out)[:cut] + rng.integers(0, 400, 4).tolist()
+        got, cached = run(paged_pipe, follow)
+        assert cached == expected and got == run(ref, follow)[0], cut
+        run(paged_pipe, prompt)  # back to the long cached sequence
+    linear = paged_pipe.target.linear
+    held = len(linear.kept_at[0]) + 1 - (linear.committed[0] in linear.kept_at[0].values())
+    assert len(linear.free) == linear.num_slots - held  # nothing leaked

@@ -15,9 +15,11 @@ Contract:
   `rewind`, or `feats` cut), so both hold exactly the first num_cached prompt tokens, as a fresh
   prefill of them would. kept_feats (drafting only) are the features of positions
   `drafter.context_len .. num_cached - 1`, to go in front of the prefill's. Nothing reused (0):
-  both runners are reset. A target whose `rewinds_exactly` is False (the hybrid one) is reused
-  only when the prompt extends all of `tokens`. The runners' `pending`, `rewinds_exactly`,
-  `rewind` and `context_len` are declared by sequence.TargetRunner and round.DrafterRunner.
+  both runners are reset. A target whose `rewinds_exactly` is False (a hybrid one) is cut back
+  only to a length its `rewind_floor` offers (the paged hybrid runner keeps linear-attention
+  states at fixed positions), else reused only when the prompt extends all of `tokens`. The
+  runners' `pending`, `rewinds_exactly`, `rewind_floor`, `rewind` and `context_len` are declared by
+  sequence.TargetRunner and round.DrafterRunner.
 - Never wrong: `tokens` are compared id by id; a call broken off inside a round (an exception in
   the runners) leaves the cache invalid until the next `record`, so the next call starts afresh;
   so does any mismatch between the runners' lengths and what the cache recorded (a runner used
@@ -70,7 +72,8 @@ class PrefixCache:
             if drafting:
                 num_cached = min(num_cached, self.drafter_covered())
             if num_cached < len(self.tokens) and not self.target.rewinds_exactly:
-                num_cached = 0
+                floor = getattr(self.target, "rewind_floor", None)
+                num_cached = floor(num_cached) if floor is not None else 0
         self.valid = False  # until the prefill is recorded
         if num_cached == 0:
             self.target.reset()

@@ -19,6 +19,12 @@ Contract:
     state (a slot swap, no copy) and frees the rest; a partial commit of a final-state-only call is a
     ValueError. A round with no accepted draft keeps the state after its one target token, never the
     previous round's.
+  * `checkpoint_every` (None: off; the single-sequence runner sets it): a sequence also keeps the
+    state at every multiple of that many tokens, from its decode rounds and from long calls that
+    start on a multiple (they run with that interval; the conv kernel counts from a call's first
+    token, so a long call starting elsewhere keeps only its final state). `rewind_floor(seq, n)`
+    is the longest kept length <= n (0: none), and `rewind(seq, m)` makes the state kept at m the
+    committed one and drops those after it: prefix reuse that cuts back to m and prefills the rest.
   * `release(seq)` frees every slot of a sequence; `slots_per_sequence(num_tokens)` and
     `bytes_per_slot` size the memory (docs/DESIGN.md, "Hybrid targets").
 May import: numpy, openvino, `.inference`.
@@ -49,13 +55,15 @@ class LinearStateSlots:
         if not self.table_inputs:
             raise ValueError("this target has no linear-attention state tables")
         self.max_checkpoints = max_checkpoints
+        self.checkpoint_every: int | None = None  # keep the state at every multiple of this many tokens
         self.bytes_per_slot = sum(int(np.prod(shape)) * t.size for _, t, shape in self.table_inputs)
         self.tables: dict[str, ov.Tensor] = {}
         self.requests: list[ov.InferRequest] = []
         self.num_slots = 0
         self.free: list[int] = []
         self.committed: dict = {}  # seq -> slot
-        self.written: dict = {}  # seq -> (slots its last call writes, that call's tokens)
+        self.written: dict = {}  # seq -> (slots its last call writes, past, tokens, interval)
+        self.kept_at: dict = {}  # seq -> {position: slot} states kept at multiples of checkpoint_every
         self._grow(initial_slots)
 
     def bind(self, *requests) -> None:
@@ -76,9 +84,21 @@ class LinearStateSlots:
             self._grow(2 * self.num_slots)
         return self.free.pop()
 
+    def _drop(self, seq, slots) -> None:
+        """Free slots no longer committed nor kept for this sequence."""
+        held = set(self.kept_at.get(seq, {}).values()) | {self.committed.get(seq)}
+        self.free += [slot for slot in dict.fromkeys(slots) if slot not in held]
+
     def slots_per_sequence(self, num_tokens: int) -> int:
         """Slots a sequence holds during a call of num_tokens tokens (its committed one and those written)."""
         return 1 + (num_tokens if num_tokens <= self.max_checkpoints else 1)
+
+    def _interval(self, past: int, num: int) -> int:
+        if num <= self.max_checkpoints:
+            return 1
+        every = self.checkpoint_every
+        # the conv kernel counts from the call's first token: only calls that start on a multiple keep them
+        return every if every and past % every == 0 else 0
 
     def inputs(self, calls) -> dict[str, np.ndarray]:
         """The la.* inputs of one call (module contract)."""
@@ -91,34 +111,51 @@ class LinearStateSlots:
                 for tensor in self.tables.values():
                     tensor.data[slot] = 0
                 self.committed[seq] = slot
-            checkpoints = num <= self.max_checkpoints
-            written = [self._take() for _ in range(num if checkpoints else 1)]
-            self.written[seq] = (written, num)
+            interval = self._interval(past, num)
+            count = 1 + (num - 1) // interval if interval else 1  # past % interval == 0 here
+            written = [self._take() for _ in range(count)]
+            self.written[seq] = (written, past, num, interval)
             tables += [self.committed[seq], *written]
             begins.append(len(tables))
             past_lens.append(past)
-            intervals.append(int(checkpoints))
+            intervals.append(interval)
         return {"la.block_indices": np.array(tables, dtype=np.int32),
                 "la.block_indices_begins": np.array(begins, dtype=np.int32),
                 "la.past_lens": np.array(past_lens, dtype=np.int32),
                 "la.cache_interval": np.array(intervals, dtype=np.int32)}
 
     def commit(self, seq, num_kept: int) -> None:
-        written, num = self.written.pop(seq)
-        if len(written) == num:
-            kept = written[num_kept - 1]
-        elif num_kept == num:
-            kept = written[0]
+        written, past, num, interval = self.written.pop(seq)
+        if interval == 1:
+            states = {past + t: slot for t, slot in enumerate(written[:num_kept], 1)}
+        elif num_kept == num:  # slot k holds the state after token k * interval, the last one after all
+            states = {past + min((k + 1) * interval if interval else num, num): slot for k, slot in enumerate(written)}
         else:
-            self.free += written
+            self._drop(seq, written)
             raise ValueError(f"a call of {num} tokens keeps only its final linear-attention state: it cannot "
                              f"commit {num_kept} of them (calls of up to {self.max_checkpoints} tokens can)")
-        self.free.append(self.committed[seq])
-        self.free += [slot for slot in written if slot != kept]
-        self.committed[seq] = kept
+        old = self.committed[seq]
+        self.committed[seq] = states[past + num_kept]
+        if self.checkpoint_every:
+            kept = self.kept_at.setdefault(seq, {})
+            kept.update((pos, slot) for pos, slot in states.items() if pos % self.checkpoint_every == 0)
+        self._drop(seq, [old, *written])
+
+    def rewind_floor(self, seq, length: int) -> int:
+        """The longest length <= `length` this sequence can go back to exactly: a kept state's, else 0."""
+        return max((pos for pos in self.kept_at.get(seq, {}) if pos <= length), default=0)
+
+    def rewind(self, seq, length: int) -> None:
+        """Make the state kept at `length` (a `rewind_floor` result > 0) the committed one."""
+        kept = self.kept_at.get(seq, {})
+        old = self.committed[seq]
+        self.committed[seq] = kept[length]
+        dropped = [kept.pop(pos) for pos in [p for p in kept if p > length]]
+        self._drop(seq, [old, *dropped])
 
     def release(self, seq) -> None:
-        written, _ = self.written.pop(seq, ((), 0))
-        self.free += written
+        written = self.written.pop(seq, ((),))[0]
+        slots = [*written, *self.kept_at.pop(seq, {}).values()]
         if seq in self.committed:
-            self.free.append(self.committed.pop(seq))
+            slots.append(self.committed.pop(seq))
+        self.free += list(dict.fromkeys(slots))

@@ -62,6 +62,13 @@ def wide_request_of(wide: ov.CompiledModel | None, cache_inputs: list) -> ov.Inf
     return wide.create_infer_request()
 
 
+def checkpoint_interval(bytes_per_slot: int, bytes_per_block: int, block_tokens: int) -> int:
+    """Tokens between kept linear-attention states of one sequence: whole KV blocks, so that the kept
+    states take at most about the memory of the KV cache they sit beside."""
+    blocks = max(1, -(-bytes_per_slot // bytes_per_block))
+    return blocks * block_tokens
+
+
 class PagedKV:
     """The KV tensors, requests and flattened inference of a paged target (module contract)."""
 
@@ -191,8 +198,10 @@ class OVPagedTarget(LogitRows, PagedKV):
         self.subsequence_begins = np.zeros(2, dtype=np.int32)
         self.block_indices_begins = np.zeros(2, dtype=np.int32)
         self._grow(initial_blocks)
-        if self.linear is not None:  # a linear-attention state keeps no earlier position
+        if self.linear is not None:  # a linear-attention state is kept only at fixed positions
             self.rewinds_exactly = False
+            self.linear.checkpoint_every = checkpoint_interval(self.linear.bytes_per_slot,
+                                                              self.bytes_per_block, self.block_tokens)
         self.reset()
 
     def calibrate_wide(self, sizes=(2, 4, 5, 6, 8, 12, 16, 32), repetitions: int = 3,
@@ -265,6 +274,17 @@ class OVPagedTarget(LogitRows, PagedKV):
         """Keep only the first num_kept committed tokens (free: the next forward overwrites the rest)."""
         assert self.pending == 0 and 0 <= num_kept <= self.committed
         if self.linear is not None and num_kept != self.committed:
-            raise ValueError(f"a hybrid target cannot rewind from {self.committed} to {num_kept} tokens: "
-                             "its linear-attention state keeps no earlier position")
+            if num_kept == 0:
+                self.reset()
+            elif self.linear.rewind_floor(0, num_kept) != num_kept:
+                raise ValueError(f"a hybrid target cannot rewind from {self.committed} to {num_kept} tokens: "
+                                 f"it keeps linear-attention states every {self.linear.checkpoint_every} tokens")
+            else:
+                self.linear.rewind(0, num_kept)
         self.committed = num_kept
+
+    def rewind_floor(self, num_kept: int) -> int:
+        """The longest length <= num_kept that `rewind` accepts (all of them without linear-attention layers)."""
+        if self.linear is None or num_kept >= self.committed:
+            return num_kept
+        return self.linear.rewind_floor(0, num_kept)
