@@ -7,6 +7,11 @@ Contract (docs/DESIGN.md; the DFlash paper, arXiv 2602.06036, and z-lab's checkp
   ``num_target_layers``, ``dflash_config.{target_layer_ids, mask_token_id}``) and
   ``model.safetensors`` with ``layers.N.*``, ``fc.weight``, ``hidden_norm.weight``,
   ``norm.weight``. No embedding, no lm_head: both come from the target.
+* The kind (``DrafterConfig.kind``, the manifest's ``drafter.kind``): "dflash" for
+  ``DFlashDraftModel``; "dflash2" for ``DFlash2DraftModel`` (named by ``architectures``, or by its
+  ``dflash_config`` fields when it names none), whose settings are ``DrafterConfig.dflash2``
+  (``DFlash2Settings``) and whose module is ``ovdflash_export.dflash2``. A DFlash 2 config that
+  lacks a setting or has one out of range is a one-line ValueError.
 * ``DFlashDrafter.forward(block_embeds, target_hidden, position_ids, past_key_values,
   attention_mask)``: the target features of C context tokens are projected
   (``c = hidden_norm(fc(target_hidden))``); in every layer the keys/values are
@@ -39,6 +44,67 @@ SHORT_BLOCKS_KEY = "ovdflash_short_blocks"
 VAL_SEED_KEY = "ovdflash_val_seed"
 
 
+# architectures[0] of a z-lab config -> the drafter kind recorded in the manifest
+DRAFTER_KINDS = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
+# dflash_config fields only a DFlash 2 drafter has: they name the kind when `architectures` is absent
+DFLASH2_REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+@dataclass
+class DFlash2Settings:
+    """A DFlash 2 drafter's extra settings (z-lab ``dflash_config``): the grouped dynamic causal
+    convolutions around each layer's attention and MLP, and the candidate selector."""
+
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
+    output_multiplier: float = 1.0  # scales the target head's logits before the top-k
+    final_logit_softcapping: float | None = None  # tanh cap on those logits (None or <= 0: none)
+    input_embedding_scale: float = 1.0  # scales the block's embeddings
+
+    @classmethod
+    def from_dict(cls, dflash: dict, top: dict, hidden_size: int, vocab_size: int) -> "DFlash2Settings":
+        """Read from dflash_config (else the top level, as z-lab's `_draft_value` does); check ranges."""
+        def value(name, default=None):
+            return dflash.get(name, top.get(name, default))
+
+        missing = [name for name in DFLASH2_REQUIRED if value(name) is None]
+        if missing:
+            raise ValueError(f"DFlash 2 drafter config lacks dflash_config.{missing[0]}")
+        softcap = value("final_logit_softcapping")
+        settings = cls(int(value("conv_kernel_size")), int(value("conv_group_size")), int(value("selector_rank")),
+                       int(value("selector_top_k")), float(value("output_multiplier", 1.0)),
+                       None if softcap is None else float(softcap), float(value("input_embedding_scale", 1.0)))
+        for name in DFLASH2_REQUIRED:
+            if getattr(settings, name) < 1:
+                raise ValueError(f"DFlash 2 dflash_config.{name} must be >= 1, got {getattr(settings, name)}")
+        if hidden_size % settings.conv_group_size:
+            raise ValueError(f"DFlash 2 conv_group_size {settings.conv_group_size} does not divide "
+                             f"hidden_size {hidden_size}")
+        if settings.selector_top_k > vocab_size:
+            raise ValueError(f"DFlash 2 selector_top_k {settings.selector_top_k} exceeds vocab_size {vocab_size}")
+        return settings
+
+    def to_dict(self) -> dict:
+        d = {name: getattr(self, name) for name in DFLASH2_REQUIRED}
+        d.update(output_multiplier=self.output_multiplier, input_embedding_scale=self.input_embedding_scale)
+        if self.final_logit_softcapping is not None:
+            d["final_logit_softcapping"] = self.final_logit_softcapping
+        return d
+
+
+def drafter_kind(d: dict) -> str:
+    """The kind of a z-lab config dict: by `architectures`, else by its DFlash 2 fields."""
+    archs = d.get("architectures") or []
+    if archs:
+        if archs[0] not in DRAFTER_KINDS:
+            raise ValueError(f"not a DFlash drafter config: architectures={archs}")
+        return DRAFTER_KINDS[archs[0]]
+    fields = {**d, **(d.get("dflash_config") or {})}
+    return "dflash2" if any(name in fields for name in DFLASH2_REQUIRED) else "dflash"
+
+
 def build_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
     """z-lab's default feature layers: n points spread over [1, L-3] (one feature: L // 2)."""
     if n < 1:
@@ -69,6 +135,8 @@ class DrafterConfig:
     num_target_layers: int
     target_hidden_size: int | None = None  # None: equal to hidden_size (all z-lab drafters)
     attention_bias: bool = False
+    kind: str = "dflash"  # a DRAFTER_KINDS value
+    dflash2: DFlash2Settings | None = None  # set exactly when kind == "dflash2"
     extra: dict = field(default_factory=dict, repr=False)  # unknown z-lab keys, kept on save
 
     def __post_init__(self):
@@ -87,9 +155,7 @@ class DrafterConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "DrafterConfig":
         """Read a z-lab drafter config.json dict. Rejects variants this module does not implement."""
-        archs = d.get("architectures") or []
-        if archs and archs[0] != "DFlashDraftModel":
-            raise ValueError(f"not a DFlash drafter config: architectures={archs}")
+        kind = drafter_kind(d)
         dflash = d.get("dflash_config") or {}
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -115,6 +181,10 @@ class DrafterConfig:
             "dflash_config", "architectures", "model_type", "rope_parameters", "rope_scaling",
         }
         heads = int(d["num_attention_heads"])
+        dflash2 = None
+        if kind == "dflash2":
+            dflash2 = DFlash2Settings.from_dict(dflash, d, int(d["hidden_size"]), int(d["vocab_size"]))
+            known |= set(DFLASH2_REQUIRED) | {"output_multiplier", "final_logit_softcapping", "input_embedding_scale"}
         return cls(
             hidden_size=int(d["hidden_size"]),
             intermediate_size=int(d["intermediate_size"]),
@@ -132,6 +202,8 @@ class DrafterConfig:
             num_target_layers=num_target_layers,
             target_hidden_size=d.get("target_hidden_size"),
             attention_bias=bool(d.get("attention_bias", False)),
+            kind=kind,
+            dflash2=dflash2,
             extra={k: v for k, v in d.items() if k not in known},
         )
 
@@ -139,7 +211,7 @@ class DrafterConfig:
         """The z-lab config.json dict (loadable by the dflash reference and optimum-intel)."""
         d = dict(self.extra)
         d.update(
-            architectures=["DFlashDraftModel"],
+            architectures=[next(arch for arch, kind in DRAFTER_KINDS.items() if kind == self.kind)],
             model_type="qwen3",
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -159,7 +231,8 @@ class DrafterConfig:
             use_sliding_window=False,
             block_size=self.block_size,
             num_target_layers=self.num_target_layers,
-            dflash_config={"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id},
+            dflash_config={"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
+                           **(self.dflash2.to_dict() if self.dflash2 is not None else {})},
         )
         if self.target_hidden_size != self.hidden_size:
             d["target_hidden_size"] = self.target_hidden_size
@@ -255,13 +328,27 @@ class DrafterLayer(nn.Module):
         self.mlp = DrafterMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # DFlash 2 (ovdflash_export.dflash2) sets these: a causal convolution over the block around
+        # each sub-layer, with a per-token kernel for its input (prepare) and its output (finish)
+        self.attention_conv = None
+        self.mlp_conv = None
 
     def forward(self, x, ctx, rope, past, mask):
         # the context c is not normalised by input_layernorm: only the block tokens are
-        attn, present = self.self_attn(self.input_layernorm(x), ctx, *rope, past, mask)
+        h = self.input_layernorm(x)
+        if self.attention_conv is not None:
+            h, kernel = self.attention_conv.prepare(h)
+        attn, present = self.self_attn(h, ctx, *rope, past, mask)
+        if self.attention_conv is not None:
+            attn = self.attention_conv.finish(attn, kernel)
         x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, present
+        h = self.post_attention_layernorm(x)
+        if self.mlp_conv is not None:
+            h, kernel = self.mlp_conv.prepare(h)
+        h = self.mlp(h)
+        if self.mlp_conv is not None:
+            h = self.mlp_conv.finish(h, kernel)
+        return x + h, present
 
 
 class DFlashDrafter(nn.Module):
@@ -300,14 +387,22 @@ class DFlashDrafter(nn.Module):
         path = Path(path)
         cfg = DrafterConfig.from_dict(json.loads((path / CONFIG_NAME).read_text()))
         model = cls(cfg)
-        state = load_file(str(path / WEIGHTS_NAME))
-        # tolerate a "model." prefix (vLLM-style re-saves)
-        state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
+        state = cls.module_state(load_file(str(path / WEIGHTS_NAME)))
         missing, unexpected = model.load_state_dict(state, strict=False)
         unexpected = [k for k in unexpected if not k.startswith(("embed_tokens", "lm_head"))]
         if missing or unexpected:
             raise ValueError(f"drafter weights do not match its config: missing={missing} unexpected={unexpected}")
         return model.to(dtype).eval()
+
+    @staticmethod
+    def module_state(checkpoint: dict) -> dict:
+        """Checkpoint tensors under this module's parameter names."""
+        # tolerate a "model." prefix (vLLM-style re-saves)
+        return {k[len("model."):] if k.startswith("model.") else k: v for k, v in checkpoint.items()}
+
+    def checkpoint_state(self) -> dict:
+        """This module's tensors under the checkpoint's names (the inverse of `module_state`)."""
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items()}
 
     def save_pretrained(self, path) -> None:
         from safetensors.torch import save_file
@@ -317,7 +412,7 @@ class DFlashDrafter(nn.Module):
         cfg = self.config.to_dict()
         cfg["torch_dtype"] = str(next(self.parameters()).dtype).replace("torch.", "")
         (path / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        state = self.checkpoint_state()
         save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
 
     # -- forward -----------------------------------------------------------------------
@@ -358,6 +453,6 @@ def drafter_num_params(model: DFlashDrafter) -> int:
 
 
 __all__ = [
-    "DrafterConfig", "DFlashDrafter", "build_target_layer_ids", "random_drafter", "drafter_num_params",
-    "CONFIG_NAME", "WEIGHTS_NAME",
+    "DrafterConfig", "DFlash2Settings", "DFlashDrafter", "DRAFTER_KINDS", "drafter_kind", "build_target_layer_ids",
+    "random_drafter", "drafter_num_params", "CONFIG_NAME", "WEIGHTS_NAME",
 ]

@@ -10,7 +10,13 @@ Contract (docs/DESIGN.md, "Drafter IR as saved"):
 * state: per layer K and V (RoPE applied) of the committed context only. The block's K/V
   are never stored, so a rejected draft needs no drafter rollback.
 * rt_info ``dflash_mode``="True", ``dflash/mask_token_id``, ``dflash/target_layer_ids``
-  ("1,8,15"), ``dflash/block_size``.
+  ("1,8,15"), ``dflash/block_size``, ``dflash/kind`` ("dflash" | "dflash2").
+* A DFlash 2 drafter (``ovdflash_export.dflash2``) adds inputs ``candidate_ids [1,B-1,k] i64``
+  (each draft slot's top-k candidate target ids; the runtime graph feeds them from the target
+  head) and ``anchor_ids [1] i64`` (the block's first token), the output
+  ``transition_scores [1,B-1,k,k] f32`` (``DFlash2Drafter.transition_scores``) and the rt_info
+  ``dflash/selector_top_k``, ``dflash/output_multiplier``, ``dflash/final_logit_softcapping``
+  (0: none) the runtime's head applies. Its K/V state is the same as DFlash 1's.
 
 Route: our own module (export/drafter.py) with explicit past/present K/V, converted by
 ``ov.convert_model`` (TorchScript), then made stateful by optimum's ``fuse_cache_reorder``
@@ -26,7 +32,13 @@ import openvino as ov
 import torch
 from torch import nn
 
-from .drafter import CONFIG_NAME, DFlashDrafter
+from .dflash2 import DFlash2Drafter, drafter_class
+from .drafter import CONFIG_NAME, DFlashDrafter, DrafterConfig
+
+IR_INPUTS = ["inputs_embeds", "hidden_states", "position_ids", "attention_mask"]
+# a DFlash 2 drafter's extra inputs and output (after IR_INPUTS and last_hidden_state)
+SELECTOR_INPUTS = ["candidate_ids", "anchor_ids"]
+SELECTOR_OUTPUT = "transition_scores"
 
 
 class DrafterIRWrapper(nn.Module):
@@ -45,6 +57,15 @@ class DrafterIRWrapper(nn.Module):
         for k, v in presents:
             outputs += [k, v]
         return tuple(outputs)
+
+
+class SelectorIRWrapper(DrafterIRWrapper):
+    """DrafterIRWrapper plus the DFlash 2 selector: candidates and anchor in, transition scores out."""
+
+    def forward(self, inputs_embeds, hidden_states, position_ids, attention_mask, candidate_ids, anchor_ids,
+                *past_flat):
+        hidden, *presents = super().forward(inputs_embeds, hidden_states, position_ids, attention_mask, *past_flat)
+        return (hidden, self.drafter.transition_scores(hidden, candidate_ids, anchor_ids), *presents)
 
 
 def kv_names(num_layers: int):
@@ -68,23 +89,33 @@ def convert_drafter(drafter: DFlashDrafter, stateful: bool = True) -> ov.Model:
         torch.arange(past_len, past_len + ctx_len + block, dtype=torch.int64)[None],
         torch.ones(1, past_len + ctx_len + block, dtype=torch.int64),
     ]
-    example += [torch.randn(1, kv, past_len, hd, generator=gen) for _ in range(2 * n_layers)]
-    with torch.no_grad():
-        model = ov.convert_model(DrafterIRWrapper(drafter), example_input=tuple(example))
-
-    in_names = ["inputs_embeds", "hidden_states", "position_ids", "attention_mask"]
-    kv_in, kv_out = kv_names(n_layers)
+    in_names, out_names = list(IR_INPUTS), ["last_hidden_state"]
     shapes = [
         ov.PartialShape([-1, -1, cfg.hidden_size]),
         ov.PartialShape([-1, -1, cfg.fc_in_features]),
         ov.PartialShape([-1, -1]),
         ov.PartialShape([-1, -1]),
-    ] + [ov.PartialShape([-1, kv, -1, hd])] * (2 * n_layers)
+    ]
+    wrapper = DrafterIRWrapper(drafter)
+    if isinstance(drafter, DFlash2Drafter):
+        top_k = cfg.dflash2.selector_top_k
+        example += [torch.randint(0, cfg.vocab_size, (1, block - 1, top_k), generator=gen),
+                    torch.randint(0, cfg.vocab_size, (1,), generator=gen)]
+        in_names += SELECTOR_INPUTS
+        out_names.append(SELECTOR_OUTPUT)
+        shapes += [ov.PartialShape([-1, -1, top_k]), ov.PartialShape([-1])]
+        wrapper = SelectorIRWrapper(drafter)
+    example += [torch.randn(1, kv, past_len, hd, generator=gen) for _ in range(2 * n_layers)]
+    with torch.no_grad():
+        model = ov.convert_model(wrapper, example_input=tuple(example))
+
+    kv_in, kv_out = kv_names(n_layers)
+    shapes += [ov.PartialShape([-1, kv, -1, hd])] * (2 * n_layers)
     # convert_model may drop or mangle input names: set every name and shape by position
     for port, name, shape in zip(model.inputs, in_names + kv_in, shapes):
         port.get_tensor().set_names({name})
         port.get_node().set_partial_shape(shape)
-    for port, name in zip(model.outputs, ["last_hidden_state"] + kv_out):
+    for port, name in zip(model.outputs, out_names + kv_out):
         port.get_tensor().set_names({name})
     model.validate_nodes_and_infer_types()
 
@@ -97,6 +128,12 @@ def convert_drafter(drafter: DFlashDrafter, stateful: bool = True) -> ov.Model:
     model.set_rt_info(str(cfg.mask_token_id), ["dflash", "mask_token_id"])
     model.set_rt_info(",".join(str(i) for i in cfg.target_layer_ids), ["dflash", "target_layer_ids"])
     model.set_rt_info(str(cfg.block_size), ["dflash", "block_size"])
+    model.set_rt_info(cfg.kind, ["dflash", "kind"])
+    if cfg.dflash2 is not None:
+        s = cfg.dflash2
+        model.set_rt_info(str(s.selector_top_k), ["dflash", "selector_top_k"])
+        model.set_rt_info(repr(s.output_multiplier), ["dflash", "output_multiplier"])
+        model.set_rt_info(repr(s.final_logit_softcapping or 0.0), ["dflash", "final_logit_softcapping"])
     return model
 
 
@@ -113,7 +150,8 @@ def export_drafter(drafter_dir, out_dir, weight_format: str = "fp32", block_size
     """Load a z-lab checkpoint, convert, compress and save it to out_dir."""
     from .compress import compress_model
 
-    drafter = DFlashDrafter.from_pretrained(drafter_dir)
+    cfg = DrafterConfig.from_dict(json.loads((Path(drafter_dir) / CONFIG_NAME).read_text()))
+    drafter = drafter_class(cfg).from_pretrained(drafter_dir)
     if block_size is not None:
         drafter.config.block_size = int(block_size)
     model = convert_drafter(drafter)

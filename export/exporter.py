@@ -120,6 +120,15 @@ def validate_pair(target, drafter, block_size: int | None = None) -> PairInfo:
                                     f"vocab_size {vocab}")
     if bs < 2:
         raise PairMismatchError(f"block size must be at least 2, got {bs}")
+    if dcfg.kind == "dflash2":
+        from .dflash2 import check_checkpoint
+        try:
+            check_checkpoint(drafter, dcfg)
+        except ValueError as exc:
+            raise PairMismatchError(str(exc)) from None
+        if (Path(drafter) / DRAFT_VOCAB_FILE).is_file() and dcfg.dflash2.selector_top_k > len(draft_vocab):
+            raise PairMismatchError(f"selector_top_k {dcfg.dflash2.selector_top_k} exceeds the {len(draft_vocab)} ids "
+                                    f"of {DRAFT_VOCAB_FILE}")
     return PairInfo(tcfg, dcfg, arch, vocab, hidden, layers)
 
 
@@ -155,7 +164,8 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
 
     import openvino as ov
 
-    from ovdflash.ov.graphs import drafter_for_runtime, read_layer_locators, target_for_runtime
+    from ovdflash.ov.compile import runtime_drafter_graph
+    from ovdflash.ov.graphs import read_layer_locators, target_for_runtime
 
     from .compress import compress_model
     from .drafter_export import export_drafter
@@ -187,7 +197,8 @@ def export_pair(target, drafter, out_dir, target_weight_format: str = "fp32", dr
         core = ov.Core()
         t_ir = core.read_model(str(work / "target" / "openvino_model.xml"))
         target_for_runtime(t_ir, dcfg.target_layer_ids)
-        drafter_for_runtime(core.read_model(str(work / "drafter" / "openvino_model.xml")), t_ir, draft_vocab)
+        runtime_drafter_graph(core.read_model(str(work / "drafter" / "openvino_model.xml")), t_ir, draft_vocab,
+                              dcfg.kind)
         del t_ir
 
         step("writing the tokenizer and the manifest")

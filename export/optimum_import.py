@@ -110,6 +110,9 @@ def validate_openvino_pair(target, drafter, block_size: int | None = None) -> Pa
         dcfg = DrafterConfig.from_dict(json.loads((drafter / "config.json").read_text()))
     except (KeyError, TypeError, ValueError) as exc:
         raise PairMismatchError(f"drafter config is not a usable DFlash config: {exc}") from exc
+    if dcfg.kind != "dflash":
+        raise PairMismatchError(f"an optimum-intel drafter IR of kind {dcfg.kind!r} is not supported: "
+                                "pass the drafter checkpoint as --drafter")
     ids, mask = _dflash_rt_info(_read_ir(drafter, "drafter"), drafter)
     if ids != dcfg.target_layer_ids or mask != dcfg.mask_token_id:
         raise PairMismatchError(f"the drafter IR's rt_info (target_layer_ids {ids}, mask_token_id {mask}) disagrees "

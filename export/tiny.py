@@ -6,8 +6,11 @@
   trained here on a small built-in corpus, with a ChatML ``chat_template`` and eos
   ``<|im_end|>``. The tokenizer uses fewer ids than ``vocab_size`` so the top rows of the
   embedding are free (the last one is the default mask token).
-* ``make_tiny_drafter(target_dir, out_dir, num_layers=1, block_size=4, ...)``: a random
-  z-lab format DFlash drafter matching the target's geometry.
+* ``make_tiny_drafter(target_dir, out_dir, num_layers=1, block_size=4, ..., kind="dflash")``: a
+  random z-lab format DFlash drafter matching the target's geometry. ``kind="dflash2"``: a DFlash 2
+  drafter built with z-lab's own ``dflash.model.DFlash2DraftModel`` (the test-only reference package),
+  every parameter random (convolution kernels, codebooks and norms too, which HF starts at constants),
+  with ``TINY_DFLASH2`` settings unless ``dflash2=`` names others; saved in z-lab's checkpoint layout.
 """
 from __future__ import annotations
 
@@ -150,10 +153,17 @@ def make_tiny_target(arch: str, out_dir, vocab_size: int = 512, seed: int = 0, *
     return out_dir
 
 
+# DFlash 2 settings of the tiny drafters: every optional transform active, the logits capped
+# near their range so the cap changes the selector's unary scores
+TINY_DFLASH2 = dict(conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=4,
+                    output_multiplier=0.9, final_logit_softcapping=3.0, input_embedding_scale=1.3)
+
+
 def make_tiny_drafter(target_dir, out_dir, num_layers: int = 1, block_size: int = 4, target_layer_ids=None,
-                      mask_token_id=None, seed: int = 0, **overrides) -> Path:
+                      mask_token_id=None, seed: int = 0, kind: str = "dflash", dflash2: dict | None = None,
+                      **overrides) -> Path:
     """Build and save a random z-lab format drafter for the target in target_dir; returns out_dir."""
-    from .drafter import DrafterConfig, build_target_layer_ids, random_drafter
+    from .drafter import DFlash2Settings, DrafterConfig, build_target_layer_ids, random_drafter
 
     t = json.loads((Path(target_dir) / "config.json").read_text())
     n_target = int(t["num_hidden_layers"])
@@ -176,9 +186,51 @@ def make_tiny_drafter(target_dir, out_dir, num_layers: int = 1, block_size: int 
         num_target_layers=n_target,
     )
     fields.update(overrides)
+    if kind == "dflash2":
+        settings = DFlash2Settings(**{**TINY_DFLASH2, **(dflash2 or {})})
+        return _save_reference_dflash2(DrafterConfig(**fields, kind=kind, dflash2=settings), out_dir, seed)
+    if kind != "dflash":
+        raise ValueError(f"kind must be 'dflash' or 'dflash2', got {kind!r}")
     cfg = DrafterConfig(**fields)
     model = random_drafter(cfg, seed=seed)
     # a random drafter with std 0.02 is nearly constant; a larger scale exercises the numerics
     model.init_weights(seed, std=0.08)
     model.save_pretrained(out_dir)
     return Path(out_dir)
+
+
+def _save_reference_dflash2(cfg, out_dir, seed: int) -> Path:
+    """A random DFlash2DraftModel of z-lab's package, saved as z-lab checkpoints are (bare codebooks)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config
+
+    from .dflash2 import CODEBOOKS
+    from .drafter import CONFIG_NAME, WEIGHTS_NAME
+
+    try:
+        from dflash.model import DFlash2DraftModel
+    except ImportError as exc:
+        raise ImportError("tiny DFlash 2 drafters are built with z-lab's reference package: "
+                          "pip install --no-deps dflash==0.1.0") from exc
+    config = cfg.to_dict()
+    reference = DFlash2DraftModel(Qwen3Config(**config)).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if name.endswith("norm.weight"):  # HF starts norms at one: vary them around it
+                p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.1)
+            elif "codebook" in name:  # transition scores comparable to the logits' spread
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.08)
+    state = {k: v for k, v in reference.state_dict().items() if "rotary" not in k}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config["torch_dtype"] = "float32"
+    (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    # the codebooks under z-lab's bare names, which its from_pretrained maps onto nn.Embedding.weight
+    state = {k.removesuffix(".weight") if k.removesuffix(".weight") in CODEBOOKS else k: v.contiguous()
+             for k, v in state.items()}
+    save_file(state, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+    return out_dir

@@ -8,7 +8,7 @@ Contract:
   runtime needs (`REQUIRED_KEYS`, each named in the error when missing or of the wrong type), and
   the optional ones through the `parse_*` helpers. Every problem is a `ManifestError` (a ValueError)
   whose one-line message names the file. It returns the manifest with `draft_pass`, `target_runner`
-  and `default_block_size` filled in.
+  and `default_block_size` filled in; `drafter_kind(manifest)` is its drafter's kind.
 - `manifest_compile_options(manifest)`: the OpenVINO compile options the export recorded for this
   model (`ovdflash export --compile-option KEY=VALUE`), as a fresh dict; empty when none.
 - `checksum_files(model_dir)` -> {relative path: sha256} of the IR files (`IR_FILES`), which export
@@ -51,6 +51,10 @@ def runners_for(manifest: dict) -> tuple[str, ...]:
 # the first slots of a shorter block worse); "exact": k + 1 (a drafter trained with `--short-blocks`).
 DRAFT_PASSES = ("full_block", "exact")
 
+# The drafter's kind (`drafter.kind`; "dflash" when absent): "dflash" (DFlash 1: the head's argmax
+# per slot) or "dflash2" (DFlash 2: top-k candidates per slot and a selector walk, ovdflash.ov.dflash2)
+DRAFTER_KINDS = ("dflash", "dflash2")
+
 # key -> accepted types; the runtime cannot run a directory without them
 REQUIRED_KEYS = {
     "block_size": int,
@@ -89,6 +93,15 @@ def parse_target_runner(value) -> str:
     return value
 
 
+def drafter_kind(manifest: dict) -> str:
+    """The manifest's `drafter.kind`, one of DRAFTER_KINDS ("dflash" when absent)."""
+    drafter = manifest.get("drafter")
+    kind = drafter.get("kind", "dflash") if isinstance(drafter, dict) else "dflash"
+    if kind not in DRAFTER_KINDS:
+        raise ValueError(f"drafter kind must be one of {', '.join(DRAFTER_KINDS)}, got {kind!r}")
+    return kind
+
+
 def load_manifest(model_dir: str | Path) -> dict:
     """`model_dir`'s manifest, validated (see the module contract)."""
     path = Path(model_dir) / MANIFEST_FILE
@@ -116,6 +129,7 @@ def load_manifest(model_dir: str | Path) -> dict:
         manifest["target_runner"] = parse_target_runner(manifest.get("target_runner", DEFAULT_TARGET_RUNNER))
         manifest["default_block_size"] = parse_default_block_size(manifest.get("default_block_size", "auto"),
                                                                   manifest["block_size"])
+        drafter_kind(manifest)
         options = manifest.get("compile_options", {})
         if not isinstance(options, dict):
             raise ValueError(f"compile_options must be an object of KEY: VALUE, got {options!r}")

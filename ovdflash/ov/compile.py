@@ -2,8 +2,9 @@
 
 Contract:
 - `compile_runners(model_dir, manifest, device, config, with_drafter)` reads the saved IRs,
-  applies `graphs.drafter_for_runtime` / `graphs.target_for_runtime`, compiles with CACHE_DIR
-  set (except for a target with fp16 weights: `FP16_UNCACHED`), and returns
+  applies the drafter's runtime graph for the manifest's drafter kind (`runtime_drafter_graph`:
+  `graphs.drafter_for_runtime`, or `dflash2.selector_for_runtime`) and `graphs.target_for_runtime`,
+  compiles with CACHE_DIR set (except for a target with fp16 weights: `FP16_UNCACHED`), and returns
   (OVPagedTarget | OVTarget | HybridTarget, OVDrafter | None). The drafter gets `DRAFTER_DEFAULTS`
   under `config` (a key set in `config` wins), and every model compiled for the CPU `cpu_defaults`
   (a bounded runtime cache). When `drafter/draft_vocab.json` exists (and `use_draft_vocab`), the
@@ -21,8 +22,9 @@ from pathlib import Path
 
 import openvino as ov
 
-from ..manifest import DEFAULT_TARGET_RUNNER, DRAFT_VOCAB, DRAFTER_XML, TARGET_XML, parse_target_runner, runners_for
-from . import graphs
+from ..manifest import (DEFAULT_TARGET_RUNNER, DRAFT_VOCAB, DRAFTER_XML, TARGET_XML, drafter_kind, parse_target_runner,
+                        runners_for)
+from . import dflash2, graphs
 from . import wide_target as wide_weights
 from .paged import OVPagedTarget
 from .runners import OVDrafter, OVTarget, kv_seq_axes
@@ -51,6 +53,15 @@ def cpu_defaults(device: str, config: dict | None) -> dict:
 # a 1-token step 45 against 28 ms, a 4-token verify 55 against 43 ms, and 950 against 720 MB
 # resident; CACHE_MODE=OPTIMIZE_SIZE the same). int8 and fp32 targets keep the cache (same speed).
 FP16_UNCACHED = "fp16"
+
+
+# the runtime graph of each drafter kind (manifest.DRAFTER_KINDS); OVDrafter picks the proposer that reads it
+DRAFTER_GRAPHS = {"dflash": graphs.drafter_for_runtime, "dflash2": dflash2.selector_for_runtime}
+
+
+def runtime_drafter_graph(drafter: ov.Model, target: ov.Model, draft_vocab=None, kind: str = "dflash") -> ov.Model:
+    """The drafter's runtime graph for its kind, grafted onto the target's embedding and head. In place."""
+    return DRAFTER_GRAPHS[kind](drafter, target, draft_vocab)
 
 
 def read_ir(core: ov.Core, xml: Path, role: str) -> ov.Model:
@@ -105,7 +116,7 @@ def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", 
         # graft before the target is edited: the drafter reuses the target's embedding and lm_head nodes
         vocab_path = model_dir / DRAFT_VOCAB
         draft_vocab = graphs.read_draft_vocab(vocab_path) if use_draft_vocab and vocab_path.exists() else None
-        graphs.drafter_for_runtime(drafter_model, target_model, draft_vocab)
+        runtime_drafter_graph(drafter_model, target_model, draft_vocab, drafter_kind(manifest))
     max_length = int(manifest["max_position_embeddings"])
     config = cpu_defaults(device, config)
     target_config = dict(config)

@@ -18,6 +18,10 @@ Contract (docs/DESIGN.md, "Runtime graphs"):
   sliced out of the weight constants (compressed ones stay compressed) when the head weight
   is a plain or decompressed (Convert/Subtract/Multiply) constant; otherwise a runtime Gather.
 
+* The pieces both drafter kinds' graphs are made of (``ovdflash.ov.dflash2`` builds the DFlash 2
+  one): ``graft_embedding`` (the ``input_ids`` lookup), ``graft_head`` (the target head's logits of
+  ``last_hidden_state``, over the draft vocabulary when given), ``to_target_ids``, ``add_named_result``.
+
 * ``with_f32_weights(model)``: a copy whose f16 weight constants (Constant f16 -> Convert f32)
   are f32 constants, for the paged target's wide calls (``ovdflash.ov.wide_target``).
 
@@ -190,16 +194,11 @@ def read_draft_vocab(path) -> np.ndarray:
     return np.unique(ids)
 
 
-def drafter_for_runtime(drafter: ov.Model, target: ov.Model, draft_vocab=None) -> ov.Model:
-    """Graft the target's embedding lookup and lm_head + argmax onto the drafter. In place.
-
-    `draft_vocab` (token ids, or None for the full vocabulary): restrict the head to those rows."""
+def graft_embedding(drafter: ov.Model, target: ov.Model) -> ov.Output:
+    """Replace the drafter's `inputs_embeds` by `input_ids [1,B] i64` looked up in the target's table. In
+    place; returns the new `input_ids` output."""
     embed_gather = find_embedding_gather(target)
     table = embed_gather.input_value(0)  # the (decompressed) [V, H] table, shared with the target
-    lm_head = find_lm_head(target)
-    head_weight = lm_head.input_value(1)
-    transpose_b = bool(lm_head.get_attributes().get("transpose_b", False))
-
     old_embeds = drafter.input("inputs_embeds")
     input_ids = ops.parameter(ov.PartialShape([-1, -1]), ov.Type.i64, name="input_ids")
     _set_name(input_ids.output(0), "input_ids")
@@ -211,7 +210,16 @@ def drafter_for_runtime(drafter: ov.Model, target: ov.Model, draft_vocab=None) -
     drafter.remove_parameter(old_embeds.get_node())
     # keep the conventional input order: input_ids first
     drafter.add_parameters([input_ids])
+    return input_ids.output(0)
 
+
+def graft_head(drafter: ov.Model, target: ov.Model, draft_vocab=None) -> tuple[ov.Output, np.ndarray | None]:
+    """(logits [1,B-1,V'] of `last_hidden_state` under the target's lm_head, the draft vocabulary's ids or
+    None). With `draft_vocab`, V' is its size and logit j scores target id `ids[j]`. The
+    `last_hidden_state` result is removed: the runtime never reads it back."""
+    lm_head = find_lm_head(target)
+    head_weight = lm_head.input_value(1)
+    transpose_b = bool(lm_head.get_attributes().get("transpose_b", False))
     last_result = drafter.output("last_hidden_state").get_node()
     hidden = last_result.input_value(0)
     vocab_ids = None
@@ -223,16 +231,34 @@ def drafter_for_runtime(drafter: ov.Model, target: ov.Model, draft_vocab=None) -
             raise ValueError(f"draft vocabulary ids must lie in [0, {vocab_size})")
         head_weight = _slice_rows(head_weight, vocab_ids, vocab_axis)
     logits = ops.matmul(hidden, head_weight, transpose_a=False, transpose_b=transpose_b)
+    # the hidden state is no longer read back: drop it so the runtime does not copy it out
+    drafter.remove_result(last_result)
+    return logits.output(0), vocab_ids
+
+
+def to_target_ids(indices: ov.Output, vocab_ids: np.ndarray | None) -> ov.Output:
+    """Positions in the draft vocabulary -> target token ids (unchanged without one)."""
+    if vocab_ids is None:
+        return indices
+    return ops.gather(ops.constant(vocab_ids, ov.Type.i64), indices, ops.constant(0, ov.Type.i64)).output(0)
+
+
+def add_named_result(model: ov.Model, output: ov.Output, name: str) -> None:
+    result = ops.result(output)
+    _set_name(result.output(0), name)
+    _set_name(output, name)
+    model.add_results([result])
+
+
+def drafter_for_runtime(drafter: ov.Model, target: ov.Model, draft_vocab=None) -> ov.Model:
+    """Graft the target's embedding lookup and lm_head + argmax onto the drafter. In place.
+
+    `draft_vocab` (token ids, or None for the full vocabulary): restrict the head to those rows."""
+    graft_embedding(drafter, target)
+    logits, vocab_ids = graft_head(drafter, target, draft_vocab)
     top = ops.topk(logits, ops.constant(1, ov.Type.i64), axis=-1, mode="max", sort="none",
                    index_element_type=ov.Type.i64)
     tokens = ops.squeeze(top.output(1), ops.constant([-1], ov.Type.i64))
-    if vocab_ids is not None:  # position in the draft vocabulary -> target token id
-        tokens = ops.gather(ops.constant(vocab_ids, ov.Type.i64), tokens, ops.constant(0, ov.Type.i64))
-    result = ops.result(tokens)
-    _set_name(result.output(0), "draft_tokens")
-    _set_name(tokens.output(0), "draft_tokens")
-    drafter.add_results([result])
-    # the hidden state is no longer read back: drop it so the runtime does not copy it out
-    drafter.remove_result(last_result)
+    add_named_result(drafter, to_target_ids(tokens.output(0), vocab_ids), "draft_tokens")
     drafter.validate_nodes_and_infer_types()
     return drafter

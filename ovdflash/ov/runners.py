@@ -14,18 +14,21 @@ Contract:
   (prefix reuse across calls). Logits are computed only for the requested rows (prefill:
   the last row), and returned arrays are views into the output tensors, valid until the next call.
 - `OVDrafter` implements `DrafterRunner`: it feeds the block `[last, mask*(B-1)]` as ids,
-  the new context features, positions and an all-ones mask, and reads back only `draft_tokens`.
+  the new context features, positions and an all-ones mask, and reads back only the proposals:
+  its proposer follows the compiled graph's kind (`proposals_for`): `ArgmaxProposals` reads a DFlash
+  drafter's `draft_tokens`, `dflash2.SelectorWalk` walks a DFlash 2 drafter's candidates.
   A round that verifies k < B-1 drafts still runs the whole block and reads its first k
   (`draft_block` = B, manifest `draft_pass` "full_block"), or runs k + 1 tokens (`draft_block` 0,
   "exact"); near the end of the positions the pass shrinks to fit. `rewind(k)` cuts its context
   state to the first k positions (prefix reuse across calls).
-May import: numpy, openvino and `.inference`.
+May import: numpy, openvino, `.inference` and `.dflash2`.
 """
 from __future__ import annotations
 
 import numpy as np
 import openvino as ov
 
+from .dflash2 import SelectorWalk, is_selector_graph
 from .inference import LogitRows, run_request
 
 
@@ -136,6 +139,21 @@ class OVTarget(LogitRows):
         self.num_compactions += 1
 
 
+class ArgmaxProposals:
+    """DFlash proposals: the runtime graph's `draft_tokens` (the head's argmax per draft slot)."""
+
+    def __init__(self, compiled: ov.CompiledModel):
+        self.tokens_out = compiled.output("draft_tokens")
+
+    def read(self, request: ov.InferRequest, num_drafts: int) -> np.ndarray:
+        return request.get_tensor(self.tokens_out).data[0, :num_drafts].copy()
+
+
+def proposals_for(compiled: ov.CompiledModel) -> ArgmaxProposals | SelectorWalk:
+    """The proposer for a compiled drafter graph, by the outputs its kind's graph has."""
+    return SelectorWalk(compiled) if is_selector_graph(compiled) else ArgmaxProposals(compiled)
+
+
 class OVDrafter:
     def __init__(self, compiled: ov.CompiledModel, block_size: int, mask_token_id: int, max_length: int,
                  exact_passes: bool = False, seq_axes: dict[str, int] | None = None):
@@ -145,7 +163,7 @@ class OVDrafter:
         self.block_size = block_size
         self.draft_block = 0 if exact_passes else block_size  # tokens per drafter pass, at least num_drafts + 1
         self.mask_token_id = mask_token_id
-        self.tokens_out = compiled.output("draft_tokens")
+        self.proposals = proposals_for(compiled)
         self.positions = np.arange(max_length + 1, dtype=np.int64)[None, :]
         self.ones = np.ones((1, max_length + 1), dtype=np.int64)
         self.block = np.full((1, 256), mask_token_id, dtype=np.int64)
@@ -176,7 +194,7 @@ class OVDrafter:
             "beam_idx": self.beam_idx,
         })
         self.context_len = start
-        return self.request.get_tensor(self.tokens_out).data[0, :num_drafts].copy()
+        return self.proposals.read(self.request, num_drafts)
 
     def rewind(self, num_kept: int) -> None:
         """Keep the context of the first num_kept positions only. Exact: the state holds each context
