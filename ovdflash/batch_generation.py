@@ -7,11 +7,15 @@ Contract:
   take the pipeline's lock: its owner calls it from one thread (generate_batch holds the lock; the
   server's worker thread owns the pipeline).
 - `add(request_id, prompt_ids, max_new_tokens, params, stop=(), block_size=None, draft=None,
-  prompt_lookup=None, prefix_cache=None) -> GenerationResult`: queues a request (block_size/draft/
+  prompt_lookup=None, prefix_cache=None, structured=None) -> GenerationResult`: queues a request (block_size/draft/
   prompt_lookup/prefix_cache as `DFlashPipeline.generate`; "auto" lets the scheduler's load-aware
   policy choose each round's drafts, up to the trained block; prefix_cache shares the pool's cached
   KV blocks that begin the prompt). The result fills as the request runs. Bad arguments raise
   ValueError at once, nothing queued.
+- `structured` (token_generation's spelling) holds the request's output to a grammar, a fresh one per
+  request (token_generation.call_grammar); a bad spec is a ValueError at `add`.
+- Penalties, logit bias and logprobs come in `params` (decode.sampling.SamplingParams); a logit_bias
+  token id beyond the vocabulary is a ValueError at `add`; `result.logprobs` fills as tokens do.
 - `step() -> [BatchOutput(request_id, text, finished, result)]`: one round for every running request. text is
   text that can no longer change: while a request runs, text that could be the start of a stop
   string is held back; its last item carries the rest. On finish the result's finish_reason is
@@ -50,8 +54,9 @@ from .text import (
     check_token_ids,
     extend_text,
     held_back,
+    record_token,
 )
-from .token_generation import check_block_size
+from .token_generation import call_grammar, check_block_size, sampling_params
 from .tokenizer import IncrementalDetokenizer
 
 
@@ -94,9 +99,12 @@ class BatchGeneration:
 
     def add(self, request_id: Hashable, prompt_ids: Sequence[int], max_new_tokens: int,
             params: SamplingParams | None = None, stop=(), block_size: int | str | None = None,
-            draft: bool | None = None, prompt_lookup: bool | None = None, prefix_cache: bool | None = None):
+            draft: bool | None = None, prompt_lookup: bool | None = None, prefix_cache: bool | None = None,
+            structured=None):
         pipe = self.pipeline
         prompt_ids = check_token_ids(prompt_ids, pipe.vocab_size)
+        if params is not None and params.logit_bias:  # the vocabulary bound, as generate_tokens checks it
+            sampling_params(pipe, logit_bias=params.logit_bias)
         check_positive_int("max_new_tokens", max_new_tokens)
         block_size = check_block_size(pipe, block_size, draft)
         use_drafter = draft is not False and pipe.drafter is not None and (block_size == "auto" or block_size > 1)
@@ -104,13 +112,15 @@ class BatchGeneration:
         stops = check_stops(stop)
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already queued")
+        grammar = call_grammar(pipe, structured)
         block = (pipe.block_size if block_size == "auto" else block_size) if use_drafter else 1
         load_aware = use_drafter and block_size == "auto" and block > 1
         if load_aware and self.scheduler.draft_policy is None:
             self.scheduler.draft_policy = pipe.batch_draft_policy(self.scheduler.max_batch_size)
         stats = self.scheduler.add(request_id, prompt_ids, max_new_tokens, params or SamplingParams(), block,
                                    use_lookup, tuple(pipe.eos_token_ids), load_aware=load_aware,
-                                   reuse_prefix=pipe.prefix_cache if prefix_cache is None else bool(prefix_cache))
+                                   reuse_prefix=pipe.prefix_cache if prefix_cache is None else bool(prefix_cache),
+                                   grammar=grammar)
         result = GenerationResult("", [], "", stats)
         detok = IncrementalDetokenizer(pipe.tokenizer) if pipe.tokenizer is not None else None
         self.requests[request_id] = _Request(result, detok, stops, set(pipe.eos_token_ids))
@@ -122,7 +132,7 @@ class BatchGeneration:
             req = self.requests[request_id]
             result, finished = req.result, False
             for event in events:
-                result.token_ids.append(event.token)
+                record_token(result, event)
                 result.finish_reason = event.finish_reason or result.finish_reason
                 finished = bool(event.finish_reason)
                 if req.detok is None:
@@ -206,7 +216,9 @@ def generate_batch(pipe, prompts, max_new_tokens: int = 256, temperature: float 
                    block_size: int | str | None = None, draft: bool | None = None,
                    apply_chat_template: bool = False, prompt_lookup: bool | None = None,
                    max_batch_size: int = 8, pool_blocks: int | None = None,
-                   prefix_cache: bool | None = None) -> list[GenerationResult]:
+                   prefix_cache: bool | None = None, presence_penalty: float = 0.0,
+                   frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, logit_bias=None,
+                   logprobs: int | None = None, structured=None) -> list[GenerationResult]:
     """`generate` for every prompt, verified together: one target inference per round for all
     running sequences (continuous batching, at most max_batch_size at once; batch_generation).
     Each result equals that prompt's `generate` alone with the same arguments (greedy exactly;
@@ -217,13 +229,14 @@ def generate_batch(pipe, prompts, max_new_tokens: int = 256, temperature: float 
     if isinstance(prompts, (str, dict)) or not hasattr(prompts, "__iter__"):
         raise TypeError("prompts must be a list of prompts (strings, message lists or token-id lists)")
     prompts = list(prompts)
-    params = SamplingParams(temperature, top_p, top_k, seed)
+    params = sampling_params(pipe, temperature, top_p, top_k, seed, presence_penalty, frequency_penalty,
+                             repetition_penalty, logit_bias, logprobs)
     encoded = [pipe.encode_prompt(p, apply_chat_template) for p in prompts]
     with pipe._lock.hold():
         batch = BatchGeneration(pipe, max_batch_size, pool_blocks)
         try:
             results = [batch.add(i, ids, max_new_tokens, params, stop, block_size, draft, prompt_lookup,
-                                 prefix_cache) for i, ids in enumerate(encoded)]
+                                 prefix_cache, structured) for i, ids in enumerate(encoded)]
             while batch.has_work():
                 batch.step()
         finally:

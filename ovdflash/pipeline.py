@@ -46,6 +46,15 @@ Contract:
   only the rest (ovdflash.decode.prefix_cache; `stats.num_cached_prompt_tokens`). Output is unchanged.
   On a hybrid target it reuses only a prompt that extends the cached tokens. `prefix_store` is that
   cache; code that runs `target` or `drafter` itself calls `prefix_store.invalidate()`.
+- Penalties, logit bias, logprobs: `generate`, `stream`, `stream_rounds`, `generate_tokens` and
+  `generate_batch` take `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`
+  ({token id: bias}) and `logprobs` (None, or 0..20 alternatives), as decode.sampling.SamplingParams
+  and decode.logits_processors define them; DFlash output equals AR's with them on. With `logprobs`,
+  `result.logprobs` and each TokenEvent's `logprob` carry the chosen token's logprob.
+- Structured outputs: `generate`, `stream`, `stream_rounds`, `generate_tokens` and `generate_batch` take
+  `structured` ({"json": schema}, {"json_object": True}, {"regex": ...}, {"choice": [...]}, {"grammar":
+  lark}; decode.structured, compiled by ovdflash.grammar with llguidance): every token is held to the
+  grammar, the output ends at the token that completes it, and DFlash output equals AR's under it.
 - Stats: `last_stats` for the latest call, `stats` cumulative (ovdflash.decode.stats).
 
 Layout: the class holds the state and streams text (`generate`, `stream`, `stream_rounds`); its
@@ -68,7 +77,7 @@ from .decode.stats import GenerationStats
 from .loading import DEFAULT_CACHE_DIR, default_model_dir  # noqa: F401  (importers read them here)
 from .ov.precision import Numerics
 from .text import require_tokenizer
-from .text import GenerationResult, check_stops, extend_text, held_back
+from .text import GenerationResult, check_stops, extend_text, held_back, record_token
 from .token_generation import GenerationLock
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -122,7 +131,7 @@ class DFlashPipeline:
         text, emitted = "", 0
         try:
             for event in events:
-                result.token_ids.append(event.token)
+                record_token(result, event)
                 text, stopped = extend_text(text, event, detok, eos, stops)
                 if stopped:  # this token completed a stop string: end here, mid-block or not
                     result.finish_reason = "stop"
@@ -144,12 +153,12 @@ class DFlashPipeline:
                top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
                block_size: int | str | None = None, draft: bool | None = None,
                apply_chat_template: bool = False, prompt_lookup: bool | None = None,
-               prefix_cache: bool | None = None) -> Iterator[str]:
+               prefix_cache: bool | None = None, **processing) -> Iterator[str]:
         result = GenerationResult("", [], "", GenerationStats())
         yield from self._blocks(prompt_or_messages, stop, result, apply_chat_template,
                                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, seed=seed, block_size=block_size, draft=draft,
-                                prompt_lookup=prompt_lookup, prefix_cache=prefix_cache)
+                                prompt_lookup=prompt_lookup, prefix_cache=prefix_cache, **processing)
 
     def stream_rounds(self, prompt_or_messages, result: GenerationResult, stop=None,
                       apply_chat_template: bool = False, **kwargs) -> Iterator[str]:
@@ -161,12 +170,12 @@ class DFlashPipeline:
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
                  block_size: int | str | None = None, draft: bool | None = None,
                  apply_chat_template: bool = False, prompt_lookup: bool | None = None,
-                 prefix_cache: bool | None = None) -> GenerationResult:
+                 prefix_cache: bool | None = None, **processing) -> GenerationResult:
         result = GenerationResult("", [], "", GenerationStats())
         for _ in self._blocks(prompt_or_messages, stop, result, apply_chat_template,
                               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, block_size=block_size, draft=draft,
-                              prompt_lookup=prompt_lookup, prefix_cache=prefix_cache):
+                              prompt_lookup=prompt_lookup, prefix_cache=prefix_cache, **processing):
             pass
         return result
 

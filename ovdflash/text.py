@@ -1,7 +1,9 @@
 """The text layer shared by the pipeline, its batch engine and the server: results, stop strings, request checks.
 
 Contract:
-- `GenerationResult(text, token_ids, finish_reason, stats)`: what a call returns.
+- `GenerationResult(text, token_ids, finish_reason, stats, logprobs)`: what a call returns; `logprobs`
+  (only when the call asked for them) holds one `decode.sampling.TokenLogprob` per token id;
+  `record_token(result, event)` appends an event's token (and logprob, when it carries one).
 - `extend_text(text, event, detok, eos, stops) -> (text, stopped)` appends one token's text (EOS
   adds none) and cuts at the first stop string it completes; `held_back(text, stops)` is how much
   of the end of `text` could still be the start of a stop string (streaming holds it back).
@@ -31,6 +33,15 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS or stop string), "length" (max_new_tokens), "context"
     stats: GenerationStats
+    logprobs: list | None = None  # decode.sampling.TokenLogprob per token id, when asked for
+
+
+def record_token(result: GenerationResult, event) -> None:
+    result.token_ids.append(event.token)
+    if event.logprob is not None:
+        if result.logprobs is None:
+            result.logprobs = []
+        result.logprobs.append(event.logprob)
 
 
 def extend_text(text: str, event, detok: IncrementalDetokenizer, eos, stops: list[str]) -> tuple[str, bool]:

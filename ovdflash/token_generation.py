@@ -7,12 +7,19 @@ Contract:
   pipeline's contract says, and returns the engine's events (ovdflash.decode.sequence.TokenEvent)
   as a generator that holds `pipe`'s GenerationLock while it runs and, once finished, broken off or
   interrupted, records the call's stats (`last_stats`, cumulative `stats`, the caller's `stats`).
+- `sampling_params(pipe, temperature, top_p, top_k, seed, **processing)`: the call's SamplingParams
+  (penalties, logit_bias, logprobs as decode.sampling's), a logit_bias token id checked against the
+  pipeline's vocabulary; one-line ValueErrors.
+- `structured` (None, or a decode.structured spec: {"json": schema}, {"regex": ...}, {"choice": [...]},
+  {"grammar": lark}, {"json_object": True}) holds the output to a grammar (`call_grammar(pipe, structured)`,
+  compiled by ovdflash.grammar with the pipeline's tokenizer, vocabulary and EOS ids); greedy output
+  equals AR's under the same grammar, seeded sampling too; a bad spec is a one-line ValueError.
 - `check_block_size(pipe, block_size, draft)`: a call's block size (None: `default_block_size`),
   an integer no larger than the trained block while drafting, or "auto"; ValueError otherwise.
 - `GenerationLock().hold()`: one generation at a time. Another thread waits its turn; the same
   thread (an unfinished stream, then another call) gets RuntimeError.
 
-Imports: decode/, text; never ov/ (the runners come in with the pipeline), the pipeline, server/,
+Imports: decode/, grammar, text; never ov/ (the runners come in with the pipeline), the pipeline, server/,
 bench/ or cli/.
 """
 from __future__ import annotations
@@ -26,6 +33,7 @@ from .decode.lookup import NgramLookup
 from .decode.prefix_cache import PrefixCache
 from .decode.sampling import SamplingParams
 from .decode.stats import GenerationStats
+from .grammar import grammar_state
 from .text import check_positive_int, check_token_ids
 
 
@@ -51,6 +59,26 @@ class GenerationLock:
                 self._thread = None
 
 
+def sampling_params(pipe, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                    logit_bias=None, logprobs: int | None = None) -> SamplingParams:
+    params = SamplingParams(temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, repetition_penalty,
+                            logit_bias or (), logprobs)
+    if params.logit_bias and pipe.vocab_size is not None and params.logit_bias[-1][0] >= pipe.vocab_size:
+        raise ValueError(f"logit_bias names token id {params.logit_bias[-1][0]}; the vocabulary has "
+                         f"{pipe.vocab_size} tokens")
+    return params
+
+
+def call_grammar(pipe, structured):
+    """A fresh decode.structured.GrammarState for a call's `structured` spec (None: unconstrained)."""
+    if structured is None:
+        return None
+    if pipe.tokenizer is None:
+        raise ValueError("structured outputs need the model's tokenizer; this pipeline has none")
+    return grammar_state(pipe.tokenizer, structured, pipe.vocab_size, pipe.eos_token_ids)
+
+
 def check_block_size(pipe, block_size, draft: bool | None):
     """block_size as a call asked for it (None: the manifest's default), checked against the drafter."""
     if draft and pipe.drafter is None:
@@ -69,8 +97,11 @@ def generate_tokens(pipe, prompt_ids: Sequence[int], max_new_tokens: int = 256, 
                     eos_token_ids: Sequence[int] | None = None,
                     stats: GenerationStats | None = None,
                     prompt_lookup: bool | None = None,
-                    prefix_cache: bool | None = None) -> Iterator[sequence.TokenEvent]:
-    params = SamplingParams(temperature, top_p, top_k, seed)
+                    prefix_cache: bool | None = None, presence_penalty: float = 0.0,
+                    frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, logit_bias=None,
+                    logprobs: int | None = None, structured=None) -> Iterator[sequence.TokenEvent]:
+    params = sampling_params(pipe, temperature, top_p, top_k, seed, presence_penalty, frequency_penalty,
+                             repetition_penalty, logit_bias, logprobs)
     prompt_ids = check_token_ids(prompt_ids, pipe.vocab_size)
     check_positive_int("max_new_tokens", max_new_tokens)
     block_size = check_block_size(pipe, block_size, draft)
@@ -86,9 +117,10 @@ def generate_tokens(pipe, prompt_ids: Sequence[int], max_new_tokens: int = 256, 
     reuse = pipe.prefix_cache if prefix_cache is None else prefix_cache
     if pipe.prefix_store.target is not pipe.target or pipe.prefix_store.drafter is not pipe.drafter:
         pipe.prefix_store = PrefixCache(pipe.target, pipe.drafter)  # the runners were replaced
+    grammar = call_grammar(pipe, structured)
     events = sequence.generate(pipe.target, use_drafter, prompt_ids, max_new_tokens, params, eos,
                                block_size if use_drafter is not None else 1, call_stats, policy, lookup,
-                               pipe.prefix_store, reuse_prefix=bool(reuse))
+                               pipe.prefix_store, reuse_prefix=bool(reuse), grammar=grammar)
     return _recorded(pipe, events, call_stats, stats)
 
 

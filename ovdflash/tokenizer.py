@@ -4,9 +4,11 @@ Contract:
 - `Tokenizer.from_dir(model_dir)` reads `tokenizer.json`, and `tokenizer_config.json` for the
   bos/eos tokens; the chat template comes from `chat_template.jinja`, else from
   `tokenizer_config.json["chat_template"]`.
-- `apply_chat_template(messages)` renders the template with jinja2 the way HF does (sandboxed,
-  trim_blocks + lstrip_blocks, `raise_exception`, `tojson`, `strftime_now`); `encode_chat`
-  tokenizes the rendered text without adding special tokens again (the template has them).
+- `apply_chat_template(messages, add_generation_prompt, **variables)` renders the template with jinja2
+  the way HF does (sandboxed, trim_blocks + lstrip_blocks, `raise_exception`, `tojson` with HF's
+  arguments, `strftime_now`); extra variables reach the template as transformers passes them (`tools`:
+  a list of `{"type": "function", "function": {...}}`, None when not given); `encode_chat` tokenizes the rendered text
+  without adding special tokens again (the template has them).
 - `IncrementalDetokenizer` turns a growing id list into text deltas, holding back an incomplete
   UTF-8 sequence (a trailing U+FFFD) until the bytes that complete it arrive; the concatenated
   deltas plus `flush()` equal `decode(all ids)`.
@@ -75,17 +77,18 @@ class Tokenizer:
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                     **kwargs)
+        # tools and documents are always defined, None when not given, as transformers renders them
+        variables = {"tools": None, "documents": None, "bos_token": self.bos_token or "",
+                     "eos_token": self.eos_token or "", **kwargs}
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False)
 
 
-def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_exception(message):

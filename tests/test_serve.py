@@ -9,11 +9,13 @@ of the responses' `usage.spec_decode`; /tokenize and /detokenize; `ovdflash benc
 this server; SIGTERM and SIGINT end an open stream cleanly and exit 0; `serve` without MODEL_DIR
 loads the embedded default.
 """
+import contextlib
 import json
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,6 +36,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving_app(app):
+    """The base URL of `app`, served by uvicorn from a thread until the block ends."""
+    import uvicorn
+
+    from ovdflash.server.app import DrainingServer
+
+    port = free_port()
+    server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"),
+                            shutdown_timeout=0)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        assert not thread.is_alive()
 
 
 def wait_healthy(url: str, proc=None, timeout_s: float = 180.0) -> None:
@@ -241,7 +267,7 @@ EDGES = [
      "temperature", []),
     ("content as a number", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, KEY, 400,
      "messages[0].content", []),
-    ("unknown role", "/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, KEY, 400,
+    ("unknown role", "/v1/chat/completions", {"messages": [{"role": "function", "content": "x"}]}, KEY, 400,
      "messages[0].role", []),
     ("unknown model", "/v1/chat/completions", {"model": "gpt-9", "messages": MSG}, KEY, 404, "model", ["gpt-9"]),
     ("empty messages", "/v1/chat/completions", {"messages": []}, KEY, 400, "messages", ["empty"]),
@@ -256,9 +282,11 @@ EDGES = [
      {"messages": MSG, "max_completion_tokens": 999}, KEY, 400, "max_completion_tokens", ["999"]),
     ("max_tokens zero", "/v1/chat/completions", {"messages": MSG, "max_tokens": 0}, KEY, 400, "max_tokens", []),
     ("n above 1", "/v1/chat/completions", {"messages": MSG, "n": 2}, KEY, 400, "n", []),
-    ("logprobs", "/v1/chat/completions", {"messages": MSG, "logprobs": True}, KEY, 400, "logprobs", []),
-    ("tools", "/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function"}]}, KEY, 400, "tools", []),
-    ("presence penalty", "/v1/chat/completions", {"messages": MSG, "presence_penalty": 0.5}, KEY, 400,
+    ("top_logprobs over 20", "/v1/chat/completions", {"messages": MSG, "logprobs": True, "top_logprobs": 21}, KEY,
+     400, "top_logprobs", []),
+    ("tools", "/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function"}]}, KEY, 400,
+     "tools[0].function", []),
+    ("presence penalty over 2", "/v1/chat/completions", {"messages": MSG, "presence_penalty": 2.5}, KEY, 400,
      "presence_penalty", []),
     ("unknown field", "/v1/chat/completions", {"messages": MSG, "frobnicate": 1}, KEY, 400, "frobnicate", []),
     ("empty stop string", "/v1/chat/completions", {"messages": MSG, "stop": ["ok", ""]}, KEY, 400, "stop[1]", []),

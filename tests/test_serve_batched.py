@@ -8,7 +8,6 @@ a small KV pool makes requests wait, never fail, and lowers the context limit to
 prefix-cache counters) with unchanged text, and --no-enable-prefix-caching turns that off.
 """
 import contextlib
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,7 +16,7 @@ import pytest
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
 import openai  # noqa: E402
-from test_serve import free_port, scrape  # noqa: E402
+from test_serve import scrape, serving_app  # noqa: E402
 
 from ovdflash.ov.paged_batch import paged_compiled, pool_bytes_per_block  # noqa: E402
 
@@ -35,27 +34,11 @@ def pipe(tiny_pair, tmp_path_factory):
 @contextlib.contextmanager
 def serving(pipe, **options):
     """(url, engine) of a fresh batched app over `pipe`, served from a thread."""
-    import uvicorn
-
-    from ovdflash.server.app import DrainingServer
     from ovdflash.server.wiring import build_server_app
 
     app = build_server_app(pipe, ["tiny"], **{"max_num_seqs": 4, **options})
-    port = free_port()
-    server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"),
-                            shutdown_timeout=0)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}", app.state.engine
-    finally:
-        server.should_exit = True
-        thread.join(60)
-        assert not thread.is_alive()
+    with serving_app(app) as url:
+        yield url, app.state.engine
 
 
 def client_for(url):

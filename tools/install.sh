@@ -16,4 +16,5 @@ $PIP install -q torch==2.13.0                      # the local CPU wheel, before
 $PIP install -q -e ".[export,bench,test,serve,ray]"
 $PIP install -q --no-deps optimum-intel==2.2.0      # see above: no torchvision
 $PIP install -q --no-deps dflash==0.1.0             # test-only oracle (z-lab reference model classes)
-$VENV/bin/python -c "import torch, openvino, optimum.intel; print('ovdflash install ok: torch', torch.__version__, 'openvino', openvino.__version__)"
+# llguidance (structured outputs) comes with the serve extra: fail here, not at the first JSON-schema request
+$VENV/bin/python -c "import torch, openvino, optimum.intel, llguidance; print('ovdflash install ok: torch', torch.__version__, 'openvino', openvino.__version__, 'llguidance', llguidance.__version__)"

@@ -14,7 +14,8 @@ pool holds and in which precision), `--enable-prefix-caching/--no-enable-prefix-
 `--max-queue`, `--max-model-len`, `--max-request-bytes`. With batching, `--block-size` defaults to
 "auto". `--replicas N` serves the same app on N Ray Serve replicas (ovdflash.server.ray_app; the
 `ray` extra). The wiring is `ovdflash.server.wiring`; bad options are one-line errors before the
-model loads where they can be.
+model loads where they can be. A start-up line names the tool-call format the chat template teaches
+(server.tool_calls), or says that none is known.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import click
 from .. import TARGET_RUNNERS
 from ..options import parse_block_size
 from ..ov.precision import PRECISIONS
+from ..server.tool_calls import describe_tool_format
 from ..server.wiring import build_server_app, is_loopback, load_pipeline, parse_bytes
 from .options import WIDE_TARGET_OPTION, compile_options
 
@@ -126,5 +128,6 @@ def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_s
                f"{'API key required' if api_key else 'no API key'}", err=True)
     if app.state.kv_pool:
         click.echo(app.state.kv_pool, err=True)
+    click.echo(describe_tool_format(app.state.tool_format), err=True)
     run_server(app, host, port, shutdown_timeout, log_level)
 

@@ -4,7 +4,9 @@ Layout: `round` (one sequence's round, written once: drafts, acceptance, the dra
 events and stop rules; the drafter interface), and its two executors: `sequence` (one sequence on
 its own runners: `speculative_round`, `autoregressive_step`, `generate`, the target interface) and
 `scheduler` (continuous batching: many sequences, one target call per round); `sampling` (exact
-rejection sampling, seeds per position), `lookup` (n-gram drafts), `block_policy` (drafts per round
+rejection sampling, seeds per position, per-token logprobs), `logits_processors` (penalties and logit
+bias, row by row inside a verified block), `structured` (structured outputs: a grammar's mask row by
+row, drafts cut where it forbids them), `lookup` (n-gram drafts), `block_policy` (drafts per round
 from measured costs), `prefix_cache` (prompt reuse across calls), `stats`. May import: numpy and
 this package only; the runners come in as objects that meet the interfaces (tests drive them with
 mock models).

@@ -17,6 +17,17 @@ Contract:
     with the stop rules: EOS ("stop", the EOS token yielded), exactly max_new_tokens ("length"),
     the context full after the round ("context"); the last event carries the reason and sets `done`.
     Lazy: a consumer that stops early (a stop string) counts no event it did not take.
+- Penalties and logit bias (`SamplingParams.processes_logits`): the first token and every verified
+  row are chosen from `logits_processors.ProcessedRows` over the prompt and the output so far (row i
+  also sees the drafts before it), as an AR step at that position would. With `params.logprobs`
+  set, each event carries its `sampling.TokenLogprob` (`logprob`, from the same row it was drawn
+  from); otherwise `logprob` is None and nothing is computed.
+- Structured outputs (`grammar`, a `structured.GrammarState`): where the grammar forces the next tokens
+  (`forced()`), they replace the drafter's first drafts; drafts the grammar forbids are cut before
+  verification (`choose_drafts`); the first token and every verified row are chosen from the row masked
+  by the grammar at that position (`structured.ConstrainedRows`, over the processed rows when penalties
+  are on); after acceptance the grammar holds exactly the output. A token that completes the grammar
+  ends the sequence there ("stop"), as EOS does.
 - `accept_block` samples row i of the verified block at position start+1+i from the sequence's
   `PositionRandomness` (`sampling.accept_at_positions`): a zero-draft block is an AR step, so every
   block size, lookup or not, gives the AR tokens. The drafter's context gets the kept tokens' features.
@@ -32,9 +43,11 @@ from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
+from .logits_processors import ProcessedRows
 from .lookup import NgramLookup
-from .sampling import PositionRandomness, SamplingParams, accept_at_positions, sample_token
+from .sampling import PositionRandomness, SamplingParams, TokenLogprob, accept_at_positions, token_logprob
 from .stats import GenerationStats
+from .structured import GrammarState
 
 NO_DRAFTS = np.zeros(0, dtype=np.int64)
 
@@ -57,6 +70,7 @@ class TokenEvent:
     token: int
     from_draft: bool
     finish_reason: str | None = None  # set on the last event only
+    logprob: TokenLogprob | None = None  # only when the sampling params ask for logprobs
 
 
 class PromptTooLongError(ValueError):
@@ -89,7 +103,7 @@ def accept_block(drafts: np.ndarray, logits: np.ndarray, feats: np.ndarray, ctx_
                  params: SamplingParams, randomness: PositionRandomness, start: int, feeds_drafter: bool
                  ) -> tuple[int, int, np.ndarray]:
     """(accepted drafts, next token, drafter context) of a verified `[last, *drafts]`; row i of
-    `logits` scores position start+1+i."""
+    `logits` (the target's rows, or their `ProcessedRows`) scores position start+1+i; `feats` are the target's."""
     num_accepted, next_token = accept_at_positions(drafts, logits, params, randomness, start + 1)
     if feeds_drafter:  # a copy: the runner's arrays are views that die at its next call
         ctx_feats = np.concatenate([ctx_feats, feats[: num_accepted + 1]])
@@ -107,6 +121,7 @@ class SequenceState:
     block_size: int = 1  # tokens a round verifies at most: last + drafts
     drafter: DrafterRunner | None = None
     lookup: NgramLookup | None = None
+    grammar: GrammarState | None = None  # structured outputs: the grammar every token is held to
     last: int = -1  # the newest token: sampled, no KV yet
     ctx_feats: np.ndarray | None = None  # target features the drafter has not consumed yet
     num_out: int = 0
@@ -114,10 +129,31 @@ class SequenceState:
 
     def __post_init__(self):
         self.randomness = self.params.make_randomness()  # per absolute position: seeded replies equal AR's
+        self.prompt: np.ndarray = NO_DRAFTS
+        self.output: list[int] = []  # the tokens chosen so far, kept only for the penalties
+        self.logprobs: list[TokenLogprob] = []  # the next events' logprobs, when asked for
+        self.grammar_stop: int | None = None  # the round's tokens up to the one that completed the grammar
+
+    def _rows(self, logits: np.ndarray, drafts: np.ndarray):
+        """The rows tokens are chosen from: the target's, or processed over the tokens before each."""
+        rows = ProcessedRows(logits, self.params, self.prompt, self.output, drafts) \
+            if self.params.processes_logits else logits
+        return rows if self.grammar is None else self.grammar.rows(rows, drafts)
+
+    def _chosen(self, rows, tokens: list[int]) -> None:
+        if self.params.processes_logits:
+            self.output += tokens
+        if self.params.logprobs is not None:
+            self.logprobs = [token_logprob(rows[i], t, self.params) for i, t in enumerate(tokens)]
+        if self.grammar is not None:  # last: the rows are read while the grammar still walks the drafts
+            self.grammar_stop = self.grammar.chosen(tokens)
 
     def begin(self, prompt: np.ndarray, logits_row: np.ndarray, feats: np.ndarray,
               kept_feats: np.ndarray | None = None) -> None:
-        self.last = sample_token(logits_row, self.params, self.randomness.at(len(prompt)))
+        self.prompt = prompt
+        rows = self._rows(np.asarray(logits_row)[None], NO_DRAFTS)
+        _, self.last = accept_at_positions(NO_DRAFTS, rows, self.params, self.randomness, len(prompt))
+        self._chosen(rows, [self.last])
         self.ctx_feats = np.array(feats) if kept_feats is None else np.concatenate([kept_feats, feats])
         if self.lookup is not None:
             self.lookup.reset(np.append(prompt, self.last))
@@ -132,16 +168,25 @@ class SequenceState:
             return NO_DRAFTS, False
         found = self.lookup.propose(max_drafts) if self.lookup is not None else None
         if found is not None:  # a match near the end may offer fewer tokens
-            return found, True
+            return self._allowed_drafts(found), True
         drafts = np.asarray(self.drafter.propose(self.last, self.ctx_feats, start, max_drafts), dtype=np.int64)
         self.ctx_feats = self.ctx_feats[:0]
-        return drafts, False
+        forced = self.grammar.forced()[:max_drafts] if self.grammar is not None else []
+        if len(forced):  # the grammar leaves one way on: those drafts are known, the drafter's guess the rest
+            drafts = np.concatenate([np.asarray(forced, dtype=np.int64), drafts[len(forced):]])
+        return self._allowed_drafts(drafts), False
+
+    def _allowed_drafts(self, drafts: np.ndarray) -> np.ndarray:
+        # a draft the grammar forbids would be rejected anyway: verifying it only costs time
+        return drafts if self.grammar is None else self.grammar.cut(drafts)
 
     def accept(self, drafts: np.ndarray, logits: np.ndarray, feats: np.ndarray, start: int,
                from_lookup: bool) -> list[int]:
+        rows = self._rows(logits, drafts)
         num_accepted, self.last, self.ctx_feats = accept_block(
-            drafts, logits, feats, self.ctx_feats, self.params, self.randomness, start, self.drafter is not None)
+            drafts, rows, feats, self.ctx_feats, self.params, self.randomness, start, self.drafter is not None)
         accepted = [int(d) for d in drafts[:num_accepted]]
+        self._chosen(rows, accepted + [self.last])
         if len(drafts):
             self.stats.record_round(len(drafts), num_accepted, from_lookup=from_lookup)
         else:
@@ -152,12 +197,14 @@ class SequenceState:
 
     def events(self, accepted: list[int], context_full: bool) -> Iterator[TokenEvent]:
         tokens = [(t, True) for t in accepted] + [(self.last, False)]
+        logprobs = self.logprobs or [None] * len(tokens)
         for i, (token, from_draft) in enumerate(tokens):
             self.num_out += 1
             self.stats.num_output_tokens += 1
-            reason = ("stop" if token in self.eos else "length" if self.num_out == self.max_new_tokens
+            completes = self.grammar_stop is not None and i + 1 == self.grammar_stop
+            reason = ("stop" if token in self.eos or completes else "length" if self.num_out == self.max_new_tokens
                       else "context" if context_full and i == len(tokens) - 1 else None)
             self.done = reason is not None
-            yield TokenEvent(token, from_draft, reason)
+            yield TokenEvent(token, from_draft, reason, logprobs[i])
             if self.done:
                 return

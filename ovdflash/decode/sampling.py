@@ -21,8 +21,19 @@ Contract:
   != d, which is norm(max(p - onehot(d), 0)): the same exact rejection sampler as accept_sampled.
   Since AR samples position t from the same randomness, a seeded reply is the same token for
   token with AR and with DFlash at any block size, lookup or "auto" (docs/DESIGN.md, Seeds).
+- Penalties and logit bias (`presence_penalty`, `frequency_penalty`, `repetition_penalty`,
+  `logit_bias`, checked by `logits_processors.check_processing`) change the rows before any of the
+  above: the executors hand `accept_at_positions` a `logits_processors.ProcessedRows` instead of
+  the raw rows when `processes_logits` is set, so greedy compares drafts to the argmax of the
+  processed row and sampling warps the processed row, position by position.
+- `logprobs` (None = off; 0..20 = how many alternatives) asks for `token_logprob(row, token, params)`
+  of every emitted token: `TokenLogprob(token, logprob, top)`, the log-probability of the token in
+  the distribution it was drawn from (greedy: the log-softmax of the processed row; sampled:
+  the log of `warp_probs` of it, -inf outside top-k / top-p) and the `logprobs` most likely tokens
+  of that distribution (highest first, ties by lower id).
 Rows of `target_logits`: row i is the target's prediction for the token after the i-th verified
-token, so row i scores draft i (0-based) and row len(drafts) scores the bonus.
+token, so row i scores draft i (0-based) and row len(drafts) scores the bonus. Anything that gives
+row i as `target_logits[i]` will do (a `ProcessedRows`).
 """
 from __future__ import annotations
 
@@ -31,6 +42,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .logits_processors import check_processing, processes_logits
+
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -38,6 +53,11 @@ class SamplingParams:
     top_p: float = 1.0        # nucleus mass in (0, 1]; 1 = off
     top_k: int = 0            # keep the k most likely tokens; 0 = off
     seed: int | None = None   # numpy Generator seed; None = fresh entropy
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple = ()    # a {token id: bias} mapping becomes sorted (id, bias) pairs
+    logprobs: int | None = None  # None = off; else how many top alternatives each token carries
 
     def __post_init__(self):
         t, p, k = self.temperature, self.top_p, self.top_k
@@ -49,6 +69,17 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
         if self.seed is not None and (not isinstance(self.seed, (int, np.integer)) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+        # frozen: the normalised bias goes in through object.__setattr__
+        object.__setattr__(self, "logit_bias", check_processing(
+            self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.logit_bias))
+        n = self.logprobs
+        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer))
+                              or not 0 <= n <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in 0..{MAX_TOP_LOGPROBS}, got {n!r}")
+
+    @property
+    def processes_logits(self) -> bool:
+        return processes_logits(self)
 
     @property
     def greedy(self) -> bool:
@@ -131,6 +162,34 @@ def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
     return sample_from(warp_probs(logits, params), rng)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+def token_logprob(row: np.ndarray, token: int, params: SamplingParams) -> TokenLogprob:
+    """`token`'s log-probability in the distribution it was drawn from, with the top alternatives."""
+    if params.greedy:
+        x = np.asarray(row, dtype=np.float64)
+        shifted = x - x.max()
+        logp = shifted - np.log(np.exp(shifted).sum())
+    else:
+        with np.errstate(divide="ignore"):  # tokens cut by top-k / top-p have log 0 = -inf
+            logp = np.log(warp_probs(row, params))
+    top = ()
+    if params.logprobs:
+        k = min(params.logprobs, len(logp))
+        candidates = np.argpartition(-logp, k - 1)[:k]
+        # ties at the k-th value: take the lower ids, as a stable full sort would
+        kth = logp[candidates].min()
+        pool = np.flatnonzero(logp >= kth)
+        order = pool[np.lexsort((pool, -logp[pool]))][:k]
+        top = tuple((int(t), float(logp[t])) for t in order)
+    return TokenLogprob(int(token), float(logp[token]), top)
+
+
 def accept_greedy(drafts: np.ndarray, target_argmax: np.ndarray) -> tuple[int, int]:
     """(a, next_token): drafts[:a] match the target's argmax, next_token = target_argmax[a]."""
     mismatch = np.flatnonzero(np.asarray(drafts) != np.asarray(target_argmax[: len(drafts)]))
@@ -162,10 +221,11 @@ def accept_at_positions(drafts: np.ndarray, target_logits: np.ndarray, params: S
                         randomness: PositionRandomness, first_position: int) -> tuple[int, int]:
     """(a, next_token): row i samples position first_position + i from its own randomness; drafts
     are kept while they equal those samples (greedy: the argmax prefix). See the module doc."""
-    if params.greedy:
+    if params.greedy and isinstance(target_logits, np.ndarray):
         return accept(drafts, target_logits, params, None)
-    for i in range(len(drafts) + 1):  # rows are warped lazily: stop at the first miss
-        token = sample_token(target_logits[i], params, randomness.at(first_position + i))
+    for i in range(len(drafts) + 1):  # rows are warped (and processed) lazily: stop at the first miss
+        rng = None if params.greedy else randomness.at(first_position + i)
+        token = sample_token(target_logits[i], params, rng)
         if i == len(drafts) or token != int(drafts[i]):
             return i, token
     raise AssertionError("unreachable")

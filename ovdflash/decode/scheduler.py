@@ -14,8 +14,9 @@ Contract:
 - `Scheduler(target, drafters=None, max_batch_size=8, draft_policy=None)`: `drafters` hands out one
   `round.DrafterRunner` per sequence (`take()`, `give(d)`; paged_batch.DrafterPool) or is None
   (AR only). `add(request_id, prompt_ids, max_new_tokens, params, block_size, prompt_lookup, eos,
-  load_aware=False, reuse_prefix=True)` queues a request and returns the `GenerationStats` it
-  fills; it waits (FIFO) until the pool can book prompt + max_new_tokens tokens (less the cached
+  load_aware=False, reuse_prefix=True, grammar=None)` queues a request (`grammar`: a fresh
+  `structured.GrammarState` holding its output to a grammar, as `round.SequenceState` says) and
+  returns the `GenerationStats` it fills; it waits (FIFO) until the pool can book prompt + max_new_tokens tokens (less the cached
   blocks it shares) and a batch slot is free. A prompt that leaves no room for a
   token is `round.PromptTooLongError`, a request larger than the whole pool a ValueError, both at add.
 - `step()` runs one round for every running sequence: new ones prefill, the others verify
@@ -48,6 +49,7 @@ from .lookup import NgramLookup
 from .round import NO_DRAFTS, DrafterRunner, SequenceState, TokenEvent, check_count, check_prompt, verify_ids
 from .sampling import SamplingParams
 from .stats import GenerationStats
+from .structured import GrammarState
 
 
 class BatchTarget(Protocol):
@@ -103,7 +105,8 @@ class Scheduler:
     # -- requests --------------------------------------------------------------------------------
     def add(self, request_id: Hashable, prompt_ids: Sequence[int], max_new_tokens: int,
             params: SamplingParams | None = None, block_size: int = 1, prompt_lookup: bool = False,
-            eos: Sequence[int] = (), load_aware: bool = False, reuse_prefix: bool = True) -> GenerationStats:
+            eos: Sequence[int] = (), load_aware: bool = False, reuse_prefix: bool = True,
+            grammar: GrammarState | None = None) -> GenerationStats:
         prompt = check_prompt(prompt_ids, self.target.max_length)
         max_new_tokens = check_count("max_new_tokens", max_new_tokens)
         block_size = check_count("block_size", block_size)
@@ -117,7 +120,7 @@ class Scheduler:
             raise ValueError(f"request {request_id!r} needs more KV cache than the whole pool holds "
                              f"({len(prompt)} prompt + {max_new_tokens} new tokens)")
         state = SequenceState(params or SamplingParams(), max_new_tokens, frozenset(int(t) for t in eos),
-                              GenerationStats(), block_size)
+                              GenerationStats(), block_size, grammar=grammar)
         self.waiting.append(_Sequence(request_id, prompt, state, bool(prompt_lookup), time.perf_counter(),
                                       policy_state=self.draft_policy.new_sequence() if load_aware else None,
                                       reuse_prefix=bool(reuse_prefix)))

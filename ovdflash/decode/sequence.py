@@ -29,6 +29,8 @@ Contract:
   Output is unchanged: the sampling randomness is keyed by position, and the kept KV and drafter
   context are those of the same tokens at the same positions. `reuse_prefix=False` prefills the
   whole prompt but still records it, for a later call.
+- With a `grammar` (`structured.GrammarState`, fresh for this call), every token is held to it as
+  `round.SequenceState` says (structured outputs); output equals AR's under the same grammar.
 - `speculative_round` and `autoregressive_step` are one round and one AR step on explicit state
   (what `block_policy.measure_costs` times).
 """
@@ -45,6 +47,7 @@ from .round import (NO_DRAFTS, DrafterRunner, PromptTooLongError, SequenceState,
                     check_prompt, verify_ids)
 from .sampling import PositionRandomness, SamplingParams
 from .stats import GenerationStats
+from .structured import GrammarState
 
 __all__ = ["BlockSizePolicy", "DrafterRunner", "PromptTooLongError", "TargetRunner", "TokenEvent",
            "autoregressive_step", "generate", "speculative_round"]
@@ -64,6 +67,7 @@ class TargetRunner(Protocol):
     max_length: int       # context limit (positions 0..max_length-1)
     num_compactions: int
     rewinds_exactly: bool  # False (the safe default): `rewind` keeps only all committed tokens
+    # optional, where rewinds_exactly is False: rewind_floor(n) -> the longest length <= n `rewind` accepts
 
     def reset(self) -> None: ...
     def forward(self, token_ids: np.ndarray, all_logits: bool) -> tuple[np.ndarray, np.ndarray]: ...
@@ -112,7 +116,8 @@ def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Se
              max_new_tokens: int, params: SamplingParams, eos_token_ids: Sequence[int] = (),
              block_size: int | None = None, stats: GenerationStats | None = None,
              policy: BlockSizePolicy | None = None, lookup: NgramLookup | None = None,
-             prefix_cache: PrefixCache | None = None, reuse_prefix: bool = True) -> Iterator[TokenEvent]:
+             prefix_cache: PrefixCache | None = None, reuse_prefix: bool = True,
+             grammar: GrammarState | None = None) -> Iterator[TokenEvent]:
     """Speculative (drafter given, block_size >= 2) or autoregressive generation; see module doc."""
     prompt = check_prompt(prompt_ids, target.max_length)
     if drafter is not None and block_size is None:
@@ -120,7 +125,7 @@ def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Se
     eos = frozenset(int(t) for t in eos_token_ids)
     stats = stats if stats is not None else GenerationStats()
     seq = SequenceState(params, check_count("max_new_tokens", max_new_tokens), eos, stats,
-                        check_count("block_size", block_size or 1), drafter, lookup)
+                        check_count("block_size", block_size or 1), drafter, lookup, grammar)
     t_start = time.perf_counter()
     compactions_before = target.num_compactions
     _prefill(target, seq, prompt, prefix_cache, reuse_prefix)

@@ -14,6 +14,27 @@ Contract:
   context: 400 naming both token counts (code context_length_exceeded).
 - `usage` carries the token counts and `spec_decode` (protocol.spec_decode_usage), in
   non-streamed responses and in a stream's usage chunk.
+- Fields that change nothing in the reply are accepted and ignored (protocol), each name logged once per
+  process; unknown fields are a 400 naming them.
+- Tool calls: the chat template's tool format is detected once (`app.state.tool_format`,
+  server.tool_calls). A chat request's `tools` are rendered by the template (its `tools` variable, as
+  transformers passes them); with tool_choice "auto" the reply is parsed: `message.tool_calls` and
+  finish_reason "tool_calls" (when it stopped on its own), content the text outside the calls (null if
+  none); streamed: content deltas, then each call as one `delta.tool_calls` entry once it is complete.
+  tools with a template of no known format: 400 naming `tools`, unless tool_choice is "none" (rendered,
+  not parsed). tool_choice "required" or a named function holds the reply to one call of those tools in the
+  template's format, arguments valid against the tool's schema (tool_calls.call_grammar, hermes and
+  llama3_json; another format is a 400 naming tool_choice), parsed as above.
+- Penalties, logit bias and logprobs (protocol's ranges; logit_bias keys checked against the vocabulary) go
+  to the engine with the request. Logprobs come in OpenAI's shapes (protocol.chat_logprobs /
+  completion_logprobs), one entry per generated token (EOS and the token that completed a stop string
+  included, as `usage.completion_tokens` counts them); a token's text is its own decoding (special tokens
+  kept; `bytes` are that text's UTF-8). Streamed, each chunk carries the entries of the tokens generated
+  since the previous one (a chunk with empty content when the text is held back).
+- Structured outputs: `response_format` (json_object, json_schema) or `structured_outputs` (protocol) are
+  compiled before the request is queued (ovdflash.grammar; a schema, regex or grammar llguidance refuses,
+  or a server without llguidance, is a 400 naming the field, code invalid_grammar); the output is then held
+  to the grammar inside DFlash, lossless (decode.structured). /metrics counts them by kind.
 - A client that disconnects (streamed or not) aborts its request: the engine stops it within a
   round and serves the next one.
 - `run_server(app, host, port, shutdown_timeout)` serves until SIGTERM or SIGINT, then refuses new
@@ -21,9 +42,10 @@ Contract:
   finish_reason "abort" (streams still get their final chunk and [DONE]) and returns normally,
   so the process exits 0. A second SIGINT quits at once.
 
-Layout: `_Api` checks requests and hands them to the engine, `_respond` answers (whole or as
-events), `build_app` installs the error handlers and `_bearer_auth`, then the route groups
-(`_add_health_routes`, `_add_model_routes`, `_add_completion_routes`).
+Layout: `_Api` checks requests and hands them to the engine, `_ChatReply` / `_CompletionReply` shape the
+engine's outputs into an answer, `_respond` answers (whole or as events), `build_app` installs the error
+handlers and `_bearer_auth`, then the route groups (`_add_health_routes`, `_add_model_routes`,
+`_add_completion_routes`).
 """
 from __future__ import annotations
 
@@ -43,7 +65,8 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import protocol
+from ..grammar import check_structured
+from . import protocol, tool_calls
 from .engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestParams
 from .protocol import ApiError, bad_request
 
@@ -51,6 +74,7 @@ logger = logging.getLogger("ovdflash.server")
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 RETRY_AFTER_S = 1
 _DONE = format_sse_event(data_str="[DONE]")
+_logged_ignored_fields: set[str] = set()  # names logged already: once per process, as vLLM warns
 
 
 def _sse(payload: dict) -> bytes:
@@ -106,11 +130,33 @@ class _Api:
         self.names = list(served_model_names)
         self.max_request_bytes = max_request_bytes
         self.max_model_len = engine.max_model_len or self.pipeline.target.max_length
+        tokenizer = self.pipeline.tokenizer
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
+        self.tool_format = tool_calls.detect_tool_format(tokenizer.chat_template if tokenizer is not None else None)
 
     # -- request checks ----------------------------------------------------------------------
     async def parse(self, request: Request, request_type):
         """The request body as `request_type`: 413 past max_request_bytes, 400 when it does not fit."""
         return protocol.parse_request(request_type, await read_body(request, self.max_request_bytes))
+
+    @staticmethod
+    def log_ignored_fields(req) -> None:
+        for name in req.ignored_fields():
+            if name not in _logged_ignored_fields:
+                _logged_ignored_fields.add(name)
+                logger.warning("ignoring the request field %r: it changes nothing in the reply (logged once)", name)
+
+    def tool_parser(self, req: protocol.ChatCompletionRequest):
+        """A new parser for each reply when the request's tool calls are to be parsed, else None."""
+        if req.tool_call_mode() != "parse":
+            return None
+        if self.tool_format is None:
+            raise bad_request("tools: this model's chat template teaches no tool-call format this server can read "
+                              "(hermes <tool_call> JSON, Qwen3.5 <function=...> XML, Llama 3 JSON), so no reply "
+                              "could carry tool_calls; send tool_choice \"none\" to show the model the tools anyway",
+                              param="tools", code="unsupported_value")
+        return functools.partial(tool_calls.new_parser, self.tool_format, req.tool_parameters(),
+                                 req.parallel_tool_calls is not False)
 
     def model_name(self, requested: str | None) -> str:
         if requested is None:
@@ -120,20 +166,46 @@ class _Api:
                                 f"{', '.join(map(repr, self.names))}", param="model", code="model_not_found")
         return requested
 
-    def check_token_ids(self, ids: list[int], param: str) -> list[int]:
-        vocab = getattr(self.pipeline, "vocab_size", None) or (
+    @property
+    def vocab_size(self) -> int | None:
+        return getattr(self.pipeline, "vocab_size", None) or (
             self.pipeline.tokenizer.vocab_size if self.pipeline.tokenizer is not None else None)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, as logprobs name it (special tokens kept)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            tokenizer = self.pipeline.tokenizer
+            # vLLM's name for a token it cannot decode
+            text = tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None \
+                else f"token_id:{token_id}"
+            self._token_texts[token_id] = text
+        return text
+
+    def logprob_entries(self, logprobs: list) -> list:
+        """decode.sampling.TokenLogprobs as protocol's (token text, logprob, [(text, logprob), ...]) entries."""
+        return [(self.token_text(lp.token), lp.logprob, [(self.token_text(t), v) for t, v in lp.top])
+                for lp in logprobs]
+
+    def logprob_replies(self, req: protocol._SamplingRequest):
+        """`logprob_entries` for a reply when the request asked for logprobs, else None."""
+        return self.logprob_entries if req.requested_logprobs() is not None else None
+
+    def check_token_ids(self, ids: list[int], param: str) -> list[int]:
+        vocab = self.vocab_size
         for i, t in enumerate(ids):
             if t < 0 or (vocab is not None and t >= vocab):
                 raise bad_request(f"token id {t} is out of range 0..{vocab - 1}", param=f"{param}[{i}]")
         return ids
 
-    def encode_messages(self, messages: list[protocol.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    def encode_messages(self, messages: list[protocol.ChatMessage], add_generation_prompt: bool = True,
+                        tools: list[protocol.Tool] | None = None) -> list[int]:
         if self.pipeline.tokenizer is None:
             raise bad_request("this model has no tokenizer: send token ids to /v1/completions", param="messages")
+        rendered = protocol.template_messages(messages)
+        extra = {"tools": protocol.template_tools(tools)} if tools else {}
         try:
-            return self.pipeline.tokenizer.encode_chat([m.as_template_message() for m in messages],
-                                                       add_generation_prompt=add_generation_prompt)
+            return self.pipeline.tokenizer.encode_chat(rendered, add_generation_prompt=add_generation_prompt, **extra)
         except Exception as exc:  # the template's own raise_exception, or no template at all
             raise bad_request(f"the messages do not fit the model's chat template: {exc}", param="messages") from None
 
@@ -156,15 +228,49 @@ class _Api:
                               f"tokens, more than this model's context of {limit}; at most {limit - num_prompt} new "
                               f"tokens fit", param=param, code="context_length_exceeded")
         return RequestParams(max_tokens=requested if requested is not None else limit - num_prompt,
+                             structured=self.structured(req),
                              temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed,
-                             stop=tuple(req.stop_strings()))
+                             stop=tuple(req.stop_strings()), presence_penalty=req.presence_penalty,
+                             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                             logit_bias=req.logit_bias_ids(self.vocab_size), logprobs=req.requested_logprobs())
+
+    def structured(self, req: protocol._SamplingRequest):
+        """The request's structured-output spec, compiled once here so a bad one is a 400 naming its field."""
+        requested = req.structured_request()
+        forced_tools = req.forced_tools() if isinstance(req, protocol.ChatCompletionRequest) else None
+        if forced_tools is not None:
+            requested = self.tool_call_constraint(forced_tools, requested)
+        if requested is None:
+            return None
+        spec, param = requested
+        if self.pipeline.tokenizer is None:
+            raise bad_request("structured outputs need the model's tokenizer; this model has none", param=param)
+        try:
+            return check_structured(self.pipeline.tokenizer, spec, self.vocab_size, self.pipeline.eos_token_ids)
+        except ValueError as exc:
+            raise bad_request(f"{param}: {exc}", param=param, code="invalid_grammar") from None
+
+    def tool_call_constraint(self, forced_tools: dict[str, dict], requested) -> tuple[dict, str]:
+        """The grammar of one call of `forced_tools` in the template's format (tool_choice "required" or named)."""
+        if requested is not None:
+            raise bad_request(f"tool_choice holds the reply to a tool call: it cannot be combined with "
+                              f"{requested[1].split('.')[0]}", param="tool_choice")
+        grammar = tool_calls.call_grammar(self.tool_format, forced_tools) if self.tool_format else None
+        if grammar is None:
+            raise bad_request(f"tool_choice \"required\" or naming a function is held to a grammar only for the hermes "
+                              f"and llama3_json tool-call formats; this model's is {self.tool_format or 'none'}: send "
+                              f"\"auto\" (the model chooses) or \"none\"", param="tool_choice", code="unsupported_value")
+        return {"grammar": grammar}, "tool_choice"
 
     def start(self, req: protocol._SamplingRequest, prompt_ids: list[int], prompt_param: str, id_prefix: str):
         """(request id, created, RequestStream) of a request the engine took; 400 or 503 otherwise."""
         params = self.sampling(req, len(prompt_ids), prompt_param)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         try:
-            return request_id, int(time.time()), self.engine.add(request_id, prompt_ids, params)
+            stream = self.engine.add(request_id, prompt_ids, params)
+            if params.structured is not None and self.engine.metrics is not None:
+                self.engine.metrics.record_structured(params.structured.kind)
+            return request_id, int(time.time()), stream
         except QueueFullError as exc:
             raise ApiError(503, f"the server is busy: {exc}; retry later", type="server_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -173,26 +279,141 @@ class _Api:
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
 
 # -- answering: the engine's outputs as one response or as server-sent events ------------------------
-async def _respond(engine: AsyncEngine, request: Request, req, stream, num_prompt: int, chunk, opening, body):
-    """A stream of events (`chunk` builds each), or the whole answer as `body(text, finish_reason, usage)`."""
+class _CompletionReply:
+    """How a completion's outputs become its answer: `body` (whole), `opening` / `chunks` / `usage_chunk` (events).
+    With `logprob_entries` (the request asked for logprobs) each answer carries its tokens' logprobs."""
+
+    def __init__(self, request_id: str, created: int, model: str, include_usage: bool, logprob_entries=None):
+        self.request_id, self.created, self.model, self.include_usage = request_id, created, model, include_usage
+        self.logprob_entries = logprob_entries
+        self.text_offset = 0  # where the next streamed token's text starts in the reply
+
+    def opening(self) -> dict | None:
+        return None
+
+    def chunks(self, output) -> list[dict]:
+        return self._with_logprobs(self._text_chunks(output), output)
+
+    def _text_chunks(self, output) -> list[dict]:
+        if output.finished:
+            return [self._chunk(output.text or "", output.finish_reason)]
+        return [self._chunk(output.text)] if output.text else []
+
+    def _with_logprobs(self, chunks: list[dict], output) -> list[dict]:
+        """The output's logprobs on its first chunk (on an empty one when its text is held back)."""
+        if self.logprob_entries is None or not output.logprobs:
+            return chunks
+        if not chunks:
+            chunks = [self._empty_chunk()]
+        chunks[0]["choices"][0]["logprobs"] = self._logprobs(self.logprob_entries(output.logprobs))
+        return chunks
+
+    def _empty_chunk(self) -> dict:
+        return self._chunk("")
+
+    def _logprobs(self, entries: list) -> dict:
+        body = protocol.completion_logprobs(entries, self.text_offset)
+        self.text_offset += sum(len(text) for text, _, _ in entries)
+        return body
+
+    def usage_chunk(self, usage_body: dict) -> dict:
+        return self._chunk(None, usage_body=usage_body)
+
+    def body(self, text: str, finish_reason: str, usage_body: dict, logprobs: list | None = None) -> dict:
+        return protocol.completion(self.request_id, self.created, self.model, text, finish_reason, usage_body,
+                                   self._whole_logprobs(logprobs))
+
+    def _whole_logprobs(self, logprobs: list | None) -> dict | None:
+        if self.logprob_entries is None:
+            return None
+        return self._logprobs(self.logprob_entries(logprobs or []))
+
+    def _chunk(self, text, finish_reason=None, usage_body=None) -> dict:
+        return protocol.completion_chunk(self.request_id, self.created, self.model, text, finish_reason, usage_body,
+                                         self.include_usage)
+
+
+class _ChatReply(_CompletionReply):
+    """A chat completion's answer; with `new_parser` (tools to parse) the text is read for tool calls, whole or
+    as it streams, and a reply with calls that stopped on its own ends with finish_reason "tool_calls"."""
+
+    def __init__(self, request_id: str, created: int, model: str, include_usage: bool, new_parser=None,
+                 logprob_entries=None):
+        super().__init__(request_id, created, model, include_usage, logprob_entries)
+        self.new_parser = new_parser
+        self.parser = new_parser() if new_parser is not None else None  # the stream's; `body` makes its own
+        self.num_calls = 0
+
+    def opening(self) -> dict | None:
+        return self._chunk({"role": "assistant", "content": ""})
+
+    def _text_chunks(self, output) -> list[dict]:
+        if self.parser is None:
+            if output.finished:
+                return [self._chunk({"content": output.text} if output.text else {}, output.finish_reason)]
+            return [self._chunk({"content": output.text})] if output.text else []
+        events = self.parser.feed(output.text) + (self.parser.finish() if output.finished else [])
+        chunks = []
+        for event in events:
+            if isinstance(event, str):
+                chunks.append(self._chunk({"content": event}))
+            else:
+                chunks.append(self._chunk(protocol.tool_call_delta(self.num_calls, event)))
+                self.num_calls += 1
+        if output.finished:
+            chunks.append(self._chunk({}, self._finish_reason(output.finish_reason, self.num_calls)))
+        return chunks
+
+    def _empty_chunk(self) -> dict:
+        return self._chunk({"content": ""})
+
+    def _logprobs(self, entries: list) -> dict:
+        return protocol.chat_logprobs(entries)
+
+    def usage_chunk(self, usage_body: dict) -> dict:
+        return self._chunk(None, usage_body=usage_body)
+
+    def body(self, text: str, finish_reason: str, usage_body: dict, logprobs: list | None = None) -> dict:
+        whole = self._whole_logprobs(logprobs)
+        if self.new_parser is None:
+            return protocol.chat_completion(self.request_id, self.created, self.model, text, finish_reason, usage_body,
+                                            logprobs=whole)
+        parsed = tool_calls.parse_reply(self.new_parser(), text)
+        return protocol.chat_completion(self.request_id, self.created, self.model, parsed.content,
+                                        self._finish_reason(finish_reason, len(parsed.tool_calls)), usage_body,
+                                        parsed.tool_calls, whole)
+
+    @staticmethod
+    def _finish_reason(finish_reason: str, num_calls: int) -> str:
+        return "tool_calls" if num_calls and finish_reason == "stop" else finish_reason
+
+    def _chunk(self, delta, finish_reason=None, usage_body=None) -> dict:
+        return protocol.chat_chunk(self.request_id, self.created, self.model, delta, finish_reason, usage_body,
+                                   self.include_usage)
+
+
+async def _respond(engine: AsyncEngine, request: Request, req, stream, num_prompt: int, reply: _CompletionReply):
+    """A stream of events, or the whole answer (`reply` shapes both)."""
     if req.stream:
-        return EventSourceResponse(_events(engine, stream, num_prompt, chunk, req.include_usage, opening),
+        return EventSourceResponse(_events(engine, stream, num_prompt, reply, req.include_usage),
                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     answer = await _collect(engine, request, stream)
     if answer is None:
         return Response(status_code=499)  # the client left: nobody reads this
-    text, final = answer
-    return body(text, final.finish_reason, protocol.usage(num_prompt, final.num_output_tokens, final.stats))
+    text, final, logprobs = answer
+    return reply.body(text, final.finish_reason, protocol.usage(num_prompt, final.num_output_tokens, final.stats),
+                      logprobs)
 
 
 async def _collect(engine: AsyncEngine, request: Request, stream):
-    """(text, final output) of a non-streamed request; None when the client went away first."""
+    """(text, final output, logprobs) of a non-streamed request; None when the client went away first."""
     async def gather():
-        pieces, final = [], None
+        pieces, final, logprobs = [], None, []
         async for output in stream:
             pieces.append(output.text)
+            logprobs += output.logprobs or []
             final = output
-        return "".join(pieces), final
+        return "".join(pieces), final, logprobs
 
     answer = asyncio.ensure_future(gather())
     gone = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -205,32 +426,29 @@ async def _collect(engine: AsyncEngine, request: Request, stream):
             engine.abort(stream.request_id)
     if not answer.done() or answer.cancelled():
         return None
-    text, final = answer.result()
+    text, final, logprobs = answer.result()
     if final.error:
         raise ApiError(500, f"generation failed: {final.error}", type="server_error", code="generation_failed")
-    return text, final
+    return text, final, logprobs
 
 
-async def _events(engine: AsyncEngine, stream, num_prompt: int, chunk, include_usage: bool,
-                  opening: dict | None = None):
-    """The SSE body of a streamed request: `chunk(text, finish_reason=None)` builds each event."""
+async def _events(engine: AsyncEngine, stream, num_prompt: int, reply: _CompletionReply, include_usage: bool):
+    """The SSE body of a streamed request: `reply.chunks(output)` builds each output's events."""
     finished = False
     try:
+        opening = reply.opening()
         if opening is not None:
             yield _sse(opening)
         async for output in stream:
-            if output.finished:
-                finished = True
-                if output.error:
-                    yield _sse(ApiError(500, f"generation failed: {output.error}", type="server_error",
-                                        code="generation_failed").body())
-                    break
-                yield _sse(chunk(output.text, output.finish_reason))
-                if include_usage:
-                    yield _sse(chunk(None, usage_body=protocol.usage(num_prompt, output.num_output_tokens,
-                                                                     output.stats)))
-            elif output.text:
-                yield _sse(chunk(output.text))
+            finished = output.finished
+            if output.error:
+                yield _sse(ApiError(500, f"generation failed: {output.error}", type="server_error",
+                                    code="generation_failed").body())
+                break
+            for chunk in reply.chunks(output):
+                yield _sse(chunk)
+            if finished and include_usage:
+                yield _sse(reply.usage_chunk(protocol.usage(num_prompt, output.num_output_tokens, output.stats)))
         yield _DONE
     finally:
         if not finished:  # the client went away mid-stream
@@ -244,6 +462,7 @@ def build_app(engine: AsyncEngine, served_model_names: list[str], api_key: str |
     app = FastAPI(title="ovdflash", lifespan=_engine_lifespan(engine), docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.engine = engine
+    app.state.tool_format = api.tool_format
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     auth = [Depends(_bearer_auth(api_key))]
@@ -319,8 +538,10 @@ def _add_model_routes(app: FastAPI, api: _Api, auth: list) -> None:
         api.model_name(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages", param="prompt")
+        if req.tools and req.messages is None:
+            raise bad_request("tools are rendered with messages: give messages", param="tools")
         if req.messages is not None:
-            ids = api.encode_messages(req.messages, req.add_generation_prompt)
+            ids = api.encode_messages(req.messages, req.add_generation_prompt, req.tools)
         elif req.add_special_tokens:
             ids = api.encode_text(req.prompt)
         else:
@@ -345,17 +566,12 @@ def _add_completion_routes(app: FastAPI, api: _Api, auth: list) -> None:
         req = await api.parse(request, protocol.ChatCompletionRequest)
         model = api.model_name(req.model)
         req.check_supported()
-        prompt_ids = api.encode_messages(req.messages)
+        api.log_ignored_fields(req)
+        new_parser = api.tool_parser(req)
+        prompt_ids = api.encode_messages(req.messages, tools=req.tools)
         request_id, created, stream = api.start(req, prompt_ids, "messages", "chatcmpl")
-
-        def chunk(text, finish_reason=None, usage_body=None):
-            delta = None if text is None and finish_reason is None else ({"content": text} if text else {})
-            return protocol.chat_chunk(request_id, created, model, delta, finish_reason, usage_body, req.include_usage)
-
-        opening = protocol.chat_chunk(request_id, created, model, {"role": "assistant", "content": ""},
-                                      include_usage=req.include_usage)
-        return await _respond(api.engine, request, req, stream, len(prompt_ids), chunk, opening,
-                              functools.partial(protocol.chat_completion, request_id, created, model))
+        reply = _ChatReply(request_id, created, model, req.include_usage, new_parser, api.logprob_replies(req))
+        return await _respond(api.engine, request, req, stream, len(prompt_ids), reply)
 
     @app.post("/v1/completions", dependencies=auth)
     @_guarded
@@ -363,17 +579,12 @@ def _add_completion_routes(app: FastAPI, api: _Api, auth: list) -> None:
         req = await api.parse(request, protocol.CompletionRequest)
         model = api.model_name(req.model)
         req.check_supported()
+        api.log_ignored_fields(req)
         prompt = req.single_prompt()
         prompt_ids = api.encode_text(prompt) if isinstance(prompt, str) else api.check_token_ids(prompt, "prompt")
         request_id, created, stream = api.start(req, prompt_ids, "prompt", "cmpl")
-
-        def chunk(text, finish_reason=None, usage_body=None):
-            piece = None if text is None and finish_reason is None else (text or "")
-            return protocol.completion_chunk(request_id, created, model, piece, finish_reason, usage_body,
-                                             req.include_usage)
-
-        return await _respond(api.engine, request, req, stream, len(prompt_ids), chunk, None,
-                              functools.partial(protocol.completion, request_id, created, model))
+        reply = _CompletionReply(request_id, created, model, req.include_usage, api.logprob_replies(req))
+        return await _respond(api.engine, request, req, stream, len(prompt_ids), reply)
 
 
 def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 5.0,

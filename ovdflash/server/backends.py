@@ -13,6 +13,9 @@ Contract:
   whole batch; an integer fixes them. A request whose KV cache cannot be booked yet waits, FIFO.
   Each request's text equals `DFlashPipeline.generate` alone (greedy; sampled with a seed, the
   same draws). A request the batch refuses at `add` ends alone with "error" at the next step.
+- Both hold a request's output to its grammar (`RequestParams.structured`, decode.structured) and
+  honour its penalties, logit bias and logprobs (RequestParams.sampling_kwargs); each
+  output carries the logprobs of the tokens generated since the previous one (`new_logprobs`).
 """
 from __future__ import annotations
 
@@ -26,6 +29,11 @@ from .engine import RequestOutput, RequestParams
 
 logger = logging.getLogger("ovdflash.server")
 
+def new_logprobs(result: GenerationResult, num_sent: int) -> list | None:
+    """The result's logprobs from num_sent on; None when the request asked for none."""
+    return None if result.logprobs is None else result.logprobs[num_sent:]
+
+
 # -- the one-at-a-time scheduler --------------------------------------------------------------
 _END = object()
 
@@ -37,6 +45,7 @@ class _Sequence:
     params: RequestParams
     result: GenerationResult = field(default_factory=lambda: GenerationResult("", [], "", GenerationStats()))
     rounds: object = None  # the pipeline's stream_rounds generator, once running
+    num_logprobs_sent: int = 0
 
 
 class SequentialBackend:
@@ -93,7 +102,7 @@ class SequentialBackend:
             seq.rounds.close()
             return [self._final(seq, "error", error=f"{type(exc).__name__}: {exc}")]
         if not (seq.result.finish_reason or ended):
-            return [RequestOutput(seq.request_id, text, len(seq.result.token_ids))]
+            return [RequestOutput(seq.request_id, text, len(seq.result.token_ids), logprobs=self._logprobs(seq))]
         self.running = None
         reason = _FINISH_REASONS.get(seq.result.finish_reason, seq.result.finish_reason)
         return [self._final(seq, reason, text)]
@@ -101,14 +110,20 @@ class SequentialBackend:
     def _start(self, seq: _Sequence) -> _Sequence:
         p = seq.params
         seq.rounds = self.pipeline.stream_rounds(
-            seq.prompt_ids, seq.result, stop=list(p.stop), max_new_tokens=p.max_tokens, temperature=p.temperature,
-            top_p=p.top_p, top_k=p.top_k, seed=p.seed, block_size=self.block_size, draft=self.draft)
+            seq.prompt_ids, seq.result, stop=list(p.stop), max_new_tokens=p.max_tokens, block_size=self.block_size,
+            draft=self.draft, structured=p.structured, **p.sampling_kwargs())
         return seq
 
     @staticmethod
-    def _final(seq: _Sequence, reason: str, text: str = "", error: str | None = None) -> RequestOutput:
+    def _logprobs(seq: _Sequence) -> list | None:
+        sent = new_logprobs(seq.result, seq.num_logprobs_sent)
+        seq.num_logprobs_sent += len(sent or ())
+        return sent
+
+    @classmethod
+    def _final(cls, seq: _Sequence, reason: str, text: str = "", error: str | None = None) -> RequestOutput:
         return RequestOutput(seq.request_id, text, len(seq.result.token_ids), True, reason,
-                             seq.result.stats, error)
+                             seq.result.stats, error, cls._logprobs(seq))
 
 
 # -- many sequences per round ------------------------------------------------------------------
@@ -126,6 +141,7 @@ class BatchedBackend:
         if self.block_size == "auto" and draft is not False:  # measure the cost curve now, not at a request
             pipeline.batch_draft_policy(max_num_seqs)
         self.failed: list[RequestOutput] = []  # requests refused at add, answered at the next step
+        self.num_logprobs_sent: dict[str, int] = {}  # request id -> logprobs already in its outputs
 
     @property
     def num_running(self) -> int:
@@ -139,12 +155,12 @@ class BatchedBackend:
         return self.batch.has_work() or bool(self.failed)
 
     def add(self, request_id: str, prompt_ids: list[int], params: RequestParams) -> None:
-        from ..decode.sampling import SamplingParams
+        from ..token_generation import sampling_params
 
         try:
             self.batch.add(request_id, prompt_ids, params.max_tokens,
-                           SamplingParams(params.temperature, params.top_p, params.top_k, params.seed),
-                           list(params.stop), self.block_size, self.draft)
+                           sampling_params(self.pipeline, **params.sampling_kwargs()),
+                           list(params.stop), self.block_size, self.draft, structured=params.structured)
         except Exception as exc:  # a request the engine cannot take ends alone, with its reason
             logger.error("request %s refused: %s: %s", request_id, type(exc).__name__, exc)
             self.failed.append(RequestOutput(request_id, "", 0, True, "error", GenerationStats(),
@@ -154,6 +170,7 @@ class BatchedBackend:
         result = self.batch.abort(request_id)
         if result is None:
             return []
+        self.num_logprobs_sent.pop(request_id, None)
         return [RequestOutput(request_id, "", len(result.token_ids), True, "abort", result.stats)]
 
     def step(self) -> list[RequestOutput]:
@@ -165,12 +182,17 @@ class BatchedBackend:
             logger.error("a batched round failed: %s", error)
             for request_id in list(self.batch.requests):
                 result = self.batch.abort(request_id)
+                self.num_logprobs_sent.pop(request_id, None)
                 outputs.append(RequestOutput(request_id, "", len(result.token_ids), True, "error", result.stats, error))
             return outputs
         for request_id, text, finished, result in step:
             reason = _FINISH_REASONS.get(result.finish_reason, result.finish_reason) if finished else None
+            sent = self.num_logprobs_sent.pop(request_id, 0)
+            logprobs = new_logprobs(result, sent)
+            if not finished:
+                self.num_logprobs_sent[request_id] = sent + len(logprobs or ())
             outputs.append(RequestOutput(request_id, text, len(result.token_ids), finished, reason,
-                                         result.stats if finished else None))
+                                         result.stats if finished else None, logprobs=logprobs))
         return outputs
 
 

@@ -4,7 +4,8 @@ Contract:
 - A backend (`ovdflash.server.backends`) offers `add(request_id, prompt_ids, params)`,
   `abort(request_id) -> [RequestOutput]`, `step() -> [RequestOutput]`, `has_unfinished()`,
   `num_running`, `num_waiting`. It is called from the worker thread only, so it needs no locks.
-  Each `RequestOutput` carries the text since the request's previous output; the last one has
+  Each `RequestOutput` carries the text since the request's previous output (and, when the request
+  asked for logprobs, the TokenLogprobs of the tokens since then, every generated token once); the last one has
   `finished`, `finish_reason` ("stop", "length", "abort", "error") and the request's `GenerationStats`.
 - `AsyncEngine(backend, max_num_seqs, max_queue, metrics)`: `add` (on the event loop) returns
   a `RequestStream`, an async iterator of that request's outputs, or raises `QueueFullError`
@@ -43,6 +44,19 @@ class RequestParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # None = off; else the alternatives per token
+    structured: object = None  # None, or the decode.structured spec the output is held to
+
+    def sampling_kwargs(self) -> dict:
+        """The pipeline's sampling arguments (DFlashPipeline.generate's names)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias,
+                "logprobs": self.logprobs}
 
 
 @dataclass
@@ -54,6 +68,7 @@ class RequestOutput:
     finish_reason: str | None = None   # on the last output: stop, length, abort, error
     stats: GenerationStats | None = None
     error: str | None = None
+    logprobs: list | None = None       # with params.logprobs: a decode.sampling.TokenLogprob per new token
 
 
 class QueueFullError(Exception):

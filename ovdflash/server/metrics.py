@@ -8,7 +8,8 @@ one process, as tests build them), served by `/metrics`. Every series carries `m
   lookup), `ovdflash:prompt_tokens_total`, `ovdflash:generation_tokens_total`,
   `ovdflash:prefix_cache_queries_total` / `ovdflash:prefix_cache_hits_total` (prompt tokens looked
   up in the prefix cache, and those whose KV it gave),
-  `ovdflash:request_success_total{finished_reason}` (stop, length, abort, error: every request
+  `ovdflash:structured_requests_total{kind}` (requests the engine took whose output is held to a
+  grammar: json, json_object, regex, choice, grammar), `ovdflash:request_success_total{finished_reason}` (stop, length, abort, error: every request
   the engine took, answered or not), `ovdflash:request_rejected_total{reason}` (queue_full,
   shutting_down).
 - Gauges: `ovdflash:num_requests_running`, `ovdflash:num_requests_waiting`,
@@ -57,6 +58,7 @@ class ServerMetrics:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens whose KV the prefix cache gave.")
         self.request_success = counter("request_success", "Requests finished, by reason.", ["finished_reason"])
+        self.structured_requests = counter("structured_requests", "Requests held to a grammar, by kind.", ["kind"])
         self.request_rejected = counter("request_rejected", "Requests refused before the engine, by reason.",
                                         ["reason"])
         self.running = Gauge(PREFIX + "num_requests_running", "Requests generating now.", m, registry=r)
@@ -85,6 +87,9 @@ class ServerMetrics:
 
     def record_first_token(self, seconds: float) -> None:
         self.ttft.labels(self.model_name).observe(seconds)
+
+    def record_structured(self, kind: str) -> None:
+        self.structured_requests.labels(self.model_name, kind).inc()
 
     def record_rejected(self, reason: str) -> None:
         self.request_rejected.labels(self.model_name, reason).inc()
