@@ -281,7 +281,7 @@ EDGES = [
     ("max_completion_tokens beyond the context", "/v1/chat/completions",
      {"messages": MSG, "max_completion_tokens": 999}, KEY, 400, "max_completion_tokens", ["999"]),
     ("max_tokens zero", "/v1/chat/completions", {"messages": MSG, "max_tokens": 0}, KEY, 400, "max_tokens", []),
-    ("n above 1", "/v1/chat/completions", {"messages": MSG, "n": 2}, KEY, 400, "n", []),
+    ("n above the limit", "/v1/chat/completions", {"messages": MSG, "n": 17}, KEY, 400, "n", ["17"]),
     ("top_logprobs over 20", "/v1/chat/completions", {"messages": MSG, "logprobs": True, "top_logprobs": 21}, KEY,
      400, "top_logprobs", []),
     ("tools", "/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function"}]}, KEY, 400,

@@ -5,7 +5,7 @@ Checked: fields that change nothing in the reply (metadata, store, service_tier,
 prompt caching hints, safety_identifier, prediction, modalities ["text"], parallel_tool_calls without tools
 to parse, stream_options.include_obfuscation, tools[].function.strict, messages[].refusal) are accepted, named
 by `ignored_fields()`, leave the greedy reply and its usage unchanged, and are each logged once per process;
-fields that would change the reply and are not implemented (n > 1, a response_format of an unknown type, audio modalities,
+fields that would change the reply and are not implemented (a response_format of an unknown type, audio modalities,
 functions, tool_choice "required" without tools), penalties, logit_bias and logprobs out of OpenAI's ranges, and unknown fields (frobnicate, vLLM's
 min_p, OpenAI's verbosity) are a 400 naming the field in one line; an ignored field of the wrong type is
 still a 400.
@@ -47,7 +47,7 @@ REFUSED = [
     ({"logprobs": 3}, "logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"n": 2}, "n"),
+    ({"n": 1.5}, "n"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -2.1}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
@@ -164,7 +164,7 @@ def test_each_ignored_field_is_logged_once_per_process(served, monkeypatch, capl
 
 @pytest.mark.parametrize("kwargs,param", [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"logit_bias": {"100000": 10}}, "logit_bias"),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),

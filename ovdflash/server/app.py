@@ -14,6 +14,12 @@ Contract:
   context: 400 naming both token counts (code context_length_exceeded).
 - `usage` carries the token counts and `spec_decode` (protocol.spec_decode_usage), in
   non-streamed responses and in a stream's usage chunk.
+- `n` choices (1..`AsyncEngine.max_choices`, else a 400 naming `n`): each is its own sequence in the engine
+  (`AsyncEngine.add_choices`; seeded: choice i's seed is `engine.choice_seed(seed, i)`), with the request's
+  sampling, penalties, logprobs, grammar and tool parsing. Whole: `choices[i]` with `index` i, each with its
+  finish_reason; streamed: each chunk names its choice's `index`, the choices' chunks interleaved as they come,
+  each choice ending with its own finish chunk. `usage` sums the choices' tokens and `spec_decode` (the prompt
+  counted once, `cached_tokens` the first choice's).
 - Fields that change nothing in the reply are accepted and ignored (protocol), each name logged once per
   process; unknown fields are a 400 naming them.
 - Tool calls: the chat template's tool format is detected once (`app.state.tool_format`,
@@ -65,6 +71,7 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..decode.stats import GenerationStats
 from ..grammar import check_structured
 from . import protocol, tool_calls
 from .engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestParams
@@ -262,15 +269,22 @@ class _Api:
                               f"\"auto\" (the model chooses) or \"none\"", param="tool_choice", code="unsupported_value")
         return {"grammar": grammar}, "tool_choice"
 
+    def check_choices(self, req: protocol._SamplingRequest) -> None:
+        limit = self.engine.max_choices
+        if not 1 <= req.n <= limit:
+            raise bad_request(f"n must be in 1..{limit} on this server (each choice is a sequence of its own; "
+                              f"--max-num-seqs bounds it), got {req.n}", param="n")
+
     def start(self, req: protocol._SamplingRequest, prompt_ids: list[int], prompt_param: str, id_prefix: str):
-        """(request id, created, RequestStream) of a request the engine took; 400 or 503 otherwise."""
+        """(request id, created, a RequestStream per choice) of a request the engine took; 400 or 503 otherwise."""
+        self.check_choices(req)
         params = self.sampling(req, len(prompt_ids), prompt_param)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         try:
-            stream = self.engine.add(request_id, prompt_ids, params)
+            streams = self.engine.add_choices(request_id, prompt_ids, params, req.n)
             if params.structured is not None and self.engine.metrics is not None:
                 self.engine.metrics.record_structured(params.structured.kind)
-            return request_id, int(time.time()), stream
+            return request_id, int(time.time()), streams
         except QueueFullError as exc:
             raise ApiError(503, f"the server is busy: {exc}; retry later", type="server_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -280,12 +294,15 @@ class _Api:
 
 # -- answering: the engine's outputs as one response or as server-sent events ------------------------
 class _CompletionReply:
-    """How a completion's outputs become its answer: `body` (whole), `opening` / `chunks` / `usage_chunk` (events).
-    With `logprob_entries` (the request asked for logprobs) each answer carries its tokens' logprobs."""
+    """How one choice's outputs become its part of the answer: `choice` (whole; `whole` wraps the choices),
+    `opening` / `chunks` / `usage_chunk` (events). With `logprob_entries` (the request asked for logprobs) each
+    answer carries its tokens' logprobs."""
 
-    def __init__(self, request_id: str, created: int, model: str, include_usage: bool, logprob_entries=None):
+    def __init__(self, request_id: str, created: int, model: str, include_usage: bool, logprob_entries=None,
+                 index: int = 0):
         self.request_id, self.created, self.model, self.include_usage = request_id, created, model, include_usage
         self.logprob_entries = logprob_entries
+        self.index = index
         self.text_offset = 0  # where the next streamed token's text starts in the reply
 
     def opening(self) -> dict | None:
@@ -319,9 +336,11 @@ class _CompletionReply:
     def usage_chunk(self, usage_body: dict) -> dict:
         return self._chunk(None, usage_body=usage_body)
 
-    def body(self, text: str, finish_reason: str, usage_body: dict, logprobs: list | None = None) -> dict:
-        return protocol.completion(self.request_id, self.created, self.model, text, finish_reason, usage_body,
-                                   self._whole_logprobs(logprobs))
+    def choice(self, text: str, finish_reason: str, logprobs: list | None = None) -> dict:
+        return protocol.completion_choice(self.index, text, finish_reason, self._whole_logprobs(logprobs))
+
+    def whole(self, choices: list[dict], usage_body: dict) -> dict:
+        return protocol.completion(self.request_id, self.created, self.model, choices, usage_body)
 
     def _whole_logprobs(self, logprobs: list | None) -> dict | None:
         if self.logprob_entries is None:
@@ -330,7 +349,7 @@ class _CompletionReply:
 
     def _chunk(self, text, finish_reason=None, usage_body=None) -> dict:
         return protocol.completion_chunk(self.request_id, self.created, self.model, text, finish_reason, usage_body,
-                                         self.include_usage)
+                                         self.include_usage, index=self.index)
 
 
 class _ChatReply(_CompletionReply):
@@ -338,8 +357,8 @@ class _ChatReply(_CompletionReply):
     as it streams, and a reply with calls that stopped on its own ends with finish_reason "tool_calls"."""
 
     def __init__(self, request_id: str, created: int, model: str, include_usage: bool, new_parser=None,
-                 logprob_entries=None):
-        super().__init__(request_id, created, model, include_usage, logprob_entries)
+                 logprob_entries=None, index: int = 0):
+        super().__init__(request_id, created, model, include_usage, logprob_entries, index)
         self.new_parser = new_parser
         self.parser = new_parser() if new_parser is not None else None  # the stream's; `body` makes its own
         self.num_calls = 0
@@ -373,15 +392,16 @@ class _ChatReply(_CompletionReply):
     def usage_chunk(self, usage_body: dict) -> dict:
         return self._chunk(None, usage_body=usage_body)
 
-    def body(self, text: str, finish_reason: str, usage_body: dict, logprobs: list | None = None) -> dict:
+    def choice(self, text: str, finish_reason: str, logprobs: list | None = None) -> dict:
         whole = self._whole_logprobs(logprobs)
         if self.new_parser is None:
-            return protocol.chat_completion(self.request_id, self.created, self.model, text, finish_reason, usage_body,
-                                            logprobs=whole)
+            return protocol.chat_choice(self.index, text, finish_reason, logprobs=whole)
         parsed = tool_calls.parse_reply(self.new_parser(), text)
-        return protocol.chat_completion(self.request_id, self.created, self.model, parsed.content,
-                                        self._finish_reason(finish_reason, len(parsed.tool_calls)), usage_body,
-                                        parsed.tool_calls, whole)
+        return protocol.chat_choice(self.index, parsed.content, self._finish_reason(finish_reason, len(parsed.tool_calls)),
+                                    parsed.tool_calls, whole)
+
+    def whole(self, choices: list[dict], usage_body: dict) -> dict:
+        return protocol.chat_completion(self.request_id, self.created, self.model, choices, usage_body)
 
     @staticmethod
     def _finish_reason(finish_reason: str, num_calls: int) -> str:
@@ -389,25 +409,35 @@ class _ChatReply(_CompletionReply):
 
     def _chunk(self, delta, finish_reason=None, usage_body=None) -> dict:
         return protocol.chat_chunk(self.request_id, self.created, self.model, delta, finish_reason, usage_body,
-                                   self.include_usage)
+                                   self.include_usage, index=self.index)
 
 
-async def _respond(engine: AsyncEngine, request: Request, req, stream, num_prompt: int, reply: _CompletionReply):
-    """A stream of events, or the whole answer (`reply` shapes both)."""
+async def _respond(engine: AsyncEngine, request: Request, req, streams: list, num_prompt: int,
+                   replies: list[_CompletionReply]):
+    """A stream of events, or the whole answer (`replies`, one per choice, shape both)."""
     if req.stream:
-        return EventSourceResponse(_events(engine, stream, num_prompt, reply, req.include_usage),
+        return EventSourceResponse(_events(engine, streams, num_prompt, replies, req.include_usage),
                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    answer = await _collect(engine, request, stream)
-    if answer is None:
+    answers = await _collect(engine, request, streams)
+    if answers is None:
         return Response(status_code=499)  # the client left: nobody reads this
-    text, final, logprobs = answer
-    return reply.body(text, final.finish_reason, protocol.usage(num_prompt, final.num_output_tokens, final.stats),
-                      logprobs)
+    choices = [reply.choice(text, final.finish_reason, logprobs) for reply, (text, final, logprobs) in zip(replies, answers)]
+    return replies[0].whole(choices, _usage(num_prompt, [final for _, final, _ in answers]))
 
 
-async def _collect(engine: AsyncEngine, request: Request, stream):
-    """(text, final output, logprobs) of a non-streamed request; None when the client went away first."""
-    async def gather():
+def _usage(num_prompt: int, finals: list) -> dict:
+    """The reply's usage: its choices' tokens and DFlash stats summed, the prompt counted once (as OpenAI)."""
+    stats = GenerationStats()
+    for final in finals:
+        stats.merge(final.stats or GenerationStats())
+    # the prompt is counted once, so its cached part is the first choice's
+    stats.num_cached_prompt_tokens = (finals[0].stats or GenerationStats()).num_cached_prompt_tokens
+    return protocol.usage(num_prompt, sum(final.num_output_tokens for final in finals), stats)
+
+
+async def _collect(engine: AsyncEngine, request: Request, streams: list):
+    """[(text, final output, logprobs)] of each choice of a non-streamed request; None when the client went away first."""
+    async def gather(stream):
         pieces, final, logprobs = [], None, []
         async for output in stream:
             pieces.append(output.text)
@@ -415,7 +445,7 @@ async def _collect(engine: AsyncEngine, request: Request, stream):
             final = output
         return "".join(pieces), final, logprobs
 
-    answer = asyncio.ensure_future(gather())
+    answer = asyncio.ensure_future(asyncio.gather(*(gather(stream) for stream in streams)))
     gone = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -423,36 +453,60 @@ async def _collect(engine: AsyncEngine, request: Request, stream):
         gone.cancel()
         if not answer.done():  # the client left (or this handler was cancelled): stop generating
             answer.cancel()
-            engine.abort(stream.request_id)
+            for stream in streams:
+                engine.abort(stream.request_id)
     if not answer.done() or answer.cancelled():
         return None
-    text, final, logprobs = answer.result()
-    if final.error:
-        raise ApiError(500, f"generation failed: {final.error}", type="server_error", code="generation_failed")
-    return text, final, logprobs
+    answers = answer.result()
+    failed = next((final for _, final, _ in answers if final.error), None)
+    if failed is not None:
+        raise ApiError(500, f"generation failed: {failed.error}", type="server_error", code="generation_failed")
+    return answers
 
 
-async def _events(engine: AsyncEngine, stream, num_prompt: int, reply: _CompletionReply, include_usage: bool):
-    """The SSE body of a streamed request: `reply.chunks(output)` builds each output's events."""
-    finished = False
+async def _merged(streams: list):
+    """(choice index, output) of every choice's stream, in the order the outputs arrive."""
+    pending = {asyncio.ensure_future(stream.__anext__()): index for index, stream in enumerate(streams)}
     try:
-        opening = reply.opening()
-        if opening is not None:
-            yield _sse(opening)
-        async for output in stream:
-            finished = output.finished
-            if output.error:
-                yield _sse(ApiError(500, f"generation failed: {output.error}", type="server_error",
-                                    code="generation_failed").body())
-                break
-            for chunk in reply.chunks(output):
-                yield _sse(chunk)
-            if finished and include_usage:
-                yield _sse(reply.usage_chunk(protocol.usage(num_prompt, output.num_output_tokens, output.stats)))
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                index = pending.pop(task)
+                output = task.result()
+                yield index, output
+                if not output.finished:
+                    pending[asyncio.ensure_future(streams[index].__anext__())] = index
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def _events(engine: AsyncEngine, streams: list, num_prompt: int, replies: list[_CompletionReply],
+                  include_usage: bool):
+    """The SSE body of a streamed request: `replies[i].chunks(output)` builds choice i's events."""
+    finals: dict[int, object] = {}
+    try:
+        for reply in replies:
+            opening = reply.opening()
+            if opening is not None:
+                yield _sse(opening)
+        async with contextlib.aclosing(_merged(streams)) as outputs:
+            async for index, output in outputs:
+                if output.error:
+                    yield _sse(ApiError(500, f"generation failed: {output.error}", type="server_error",
+                                        code="generation_failed").body())
+                    break
+                for chunk in replies[index].chunks(output):
+                    yield _sse(chunk)
+                if output.finished:
+                    finals[index] = output
+        if include_usage and len(finals) == len(streams):
+            yield _sse(replies[0].usage_chunk(_usage(num_prompt, [finals[i] for i in range(len(streams))])))
         yield _DONE
     finally:
-        if not finished:  # the client went away mid-stream
-            engine.abort(stream.request_id)
+        for index, stream in enumerate(streams):
+            if index not in finals:  # the client went away mid-stream, or another choice failed
+                engine.abort(stream.request_id)
 
 
 # -- the app: lifespan, errors, auth, then the route groups ---------------------------------------
@@ -569,9 +623,10 @@ def _add_completion_routes(app: FastAPI, api: _Api, auth: list) -> None:
         api.log_ignored_fields(req)
         new_parser = api.tool_parser(req)
         prompt_ids = api.encode_messages(req.messages, tools=req.tools)
-        request_id, created, stream = api.start(req, prompt_ids, "messages", "chatcmpl")
-        reply = _ChatReply(request_id, created, model, req.include_usage, new_parser, api.logprob_replies(req))
-        return await _respond(api.engine, request, req, stream, len(prompt_ids), reply)
+        request_id, created, streams = api.start(req, prompt_ids, "messages", "chatcmpl")
+        replies = [_ChatReply(request_id, created, model, req.include_usage, new_parser, api.logprob_replies(req), index)
+                   for index in range(len(streams))]
+        return await _respond(api.engine, request, req, streams, len(prompt_ids), replies)
 
     @app.post("/v1/completions", dependencies=auth)
     @_guarded
@@ -582,9 +637,10 @@ def _add_completion_routes(app: FastAPI, api: _Api, auth: list) -> None:
         api.log_ignored_fields(req)
         prompt = req.single_prompt()
         prompt_ids = api.encode_text(prompt) if isinstance(prompt, str) else api.check_token_ids(prompt, "prompt")
-        request_id, created, stream = api.start(req, prompt_ids, "prompt", "cmpl")
-        reply = _CompletionReply(request_id, created, model, req.include_usage, api.logprob_replies(req))
-        return await _respond(api.engine, request, req, stream, len(prompt_ids), reply)
+        request_id, created, streams = api.start(req, prompt_ids, "prompt", "cmpl")
+        replies = [_CompletionReply(request_id, created, model, req.include_usage, api.logprob_replies(req), index)
+                   for index in range(len(streams))]
+        return await _respond(api.engine, request, req, streams, len(prompt_ids), replies)
 
 
 def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 5.0,

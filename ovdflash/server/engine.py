@@ -11,7 +11,14 @@ Contract:
   a `RequestStream`, an async iterator of that request's outputs, or raises `QueueFullError`
   when max_num_seqs + max_queue requests are already open, `EngineStoppedError` once shutdown
   has begun. `abort(request_id)` (a client went away) drops the stream at once and tells the
-  worker. `begin_shutdown(drain_s)`: no new requests; open ones may finish for `drain_s`
+  worker.
+- `add_choices(request_id, prompt_ids, params, n)`: n sequences of one prompt (a request's `n`), one
+  stream each; choice 0 is `request_id` with `params`, choice i is `choice_request_id(request_id, i)` with
+  `params.for_choice(i)` (a seeded request's choice i samples with `choice_seed(seed, i)`: the same request
+  gives the same choices, and choice 0 equals the request with n=1). The later choices reach the backend
+  once choice 0 has run its first round (its prefill), so a batch with prefix caching shares the prompt's KV
+  blocks with them; the queue limit counts each choice. `max_choices`: the largest n the engine takes
+  (max_num_seqs when it batches, else `MAX_CHOICES_ONE_AT_A_TIME`, within the queue). `begin_shutdown(drain_s)`: no new requests; open ones may finish for `drain_s`
   seconds, then end with finish_reason "abort" at their next round. `close()` stops the worker.
 - The worker owns the pipeline: no other thread touches it while the engine runs. Every
   time a request finishes (at most every `TRIM_INTERVAL_S`), and when it runs out of work, it hands
@@ -22,6 +29,8 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import logging
 import threading
 import time
@@ -34,6 +43,21 @@ logger = logging.getLogger("ovdflash.server")
 
 # shortest time between two trims of the C heap (a trim costs a few milliseconds on a loaded server)
 TRIM_INTERVAL_S = 0.1
+# the most choices one request may ask for when requests run one at a time: they run one after another
+MAX_CHOICES_ONE_AT_A_TIME = 16
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request seeded `seed`: the seed itself for choice 0, else a hash of both, so
+    no choice of one seed repeats a choice of another; None (independent draws) stays None."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8, person=b"ovdflash-n").digest()
+    return int.from_bytes(digest, "big") >> 1  # a seed must be a non-negative int64
+
+
+def choice_request_id(request_id: str, index: int) -> str:
+    return request_id if index == 0 else f"{request_id}-{index}"
 
 
 @dataclass(frozen=True)
@@ -50,6 +74,9 @@ class RequestParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # None = off; else the alternatives per token
     structured: object = None  # None, or the decode.structured spec the output is held to
+
+    def for_choice(self, index: int) -> "RequestParams":
+        return dataclasses.replace(self, seed=choice_seed(self.seed, index))
 
     def sampling_kwargs(self) -> dict:
         """The pipeline's sampling arguments (DFlashPipeline.generate's names)."""
@@ -112,7 +139,8 @@ class AsyncEngine:
         self._accepting = True
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cond = threading.Condition()
-        self._commands: list[tuple] = []               # ("add", id, ids, params, t) / ("abort", id)
+        self._commands: list[tuple] = []               # ("add", id, ids, params, t, first choice) / ("abort", id)
+        self._followers: dict[str, list[tuple]] = {}   # worker only: first choice's id -> its later choices' adds
         self._stop = False
         self._abort_at: float | None = None            # monotonic time at which open requests are ended
         self._thread: threading.Thread | None = None
@@ -139,19 +167,35 @@ class AsyncEngine:
     def num_open_requests(self) -> int:
         return len(self._streams)
 
+    @property
+    def max_choices(self) -> int:
+        if self.max_num_seqs > 1:
+            return self.max_num_seqs
+        return min(MAX_CHOICES_ONE_AT_A_TIME, self.max_num_seqs + self.max_queue)
+
     def add(self, request_id: str, prompt_ids: list[int], params: RequestParams) -> RequestStream:
+        return self.add_choices(request_id, prompt_ids, params, 1)[0]
+
+    def add_choices(self, request_id: str, prompt_ids: list[int], params: RequestParams,
+                    n: int) -> list[RequestStream]:
         if not self._accepting or not self.healthy:
             self._reject("shutting_down")
             raise EngineStoppedError("the server is shutting down" if not self._accepting
                                      else f"the engine has stopped: {self._failure}")
-        if len(self._streams) >= self.max_num_seqs + self.max_queue:
+        if len(self._streams) + n > self.max_num_seqs + self.max_queue:
             self._reject("queue_full")
             raise QueueFullError(f"{len(self._streams)} requests are open ({self.max_num_seqs} running, "
                                  f"at most {self.max_queue} waiting)")
-        stream = RequestStream(request_id)
-        self._streams[request_id] = stream
-        self._send(("add", request_id, list(prompt_ids), params, time.perf_counter()))
-        return stream
+        streams, arrival = [], time.perf_counter()
+        with self._cond:  # all choices in one batch of commands: choice 0 comes first, its followers after it
+            for index in range(n):
+                choice_id = choice_request_id(request_id, index)
+                streams.append(RequestStream(choice_id))
+                self._streams[choice_id] = streams[-1]
+                self._commands.append(("add", choice_id, list(prompt_ids), params.for_choice(index), arrival,
+                                       request_id if index else None))
+            self._cond.notify()
+        return streams
 
     def abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
@@ -204,16 +248,20 @@ class AsyncEngine:
                 outputs = []
                 for command in commands:
                     if command[0] == "add":
-                        _, request_id, prompt_ids, params, arrival = command
+                        _, request_id, prompt_ids, params, arrival, first_choice = command
                         timing[request_id] = [arrival, None]
-                        self.scheduler.add(request_id, prompt_ids, params)
+                        if first_choice is None:
+                            self.scheduler.add(request_id, prompt_ids, params)
+                        else:  # a later choice waits for the first one's prefill, to share its prompt's KV blocks
+                            self._followers.setdefault(first_choice, []).append(command)
                     else:
-                        outputs += self.scheduler.abort(command[1])
+                        outputs += self._abort(command[1])
                 if stop or (abort_at is not None and time.monotonic() >= abort_at):
                     for request_id in list(timing):
-                        outputs += self.scheduler.abort(request_id)
+                        outputs += self._abort(request_id)
                 else:
                     outputs += self.scheduler.step()
+                self._release_followers(outputs)
                 self._publish(outputs, timing)
                 finished_since_trim += sum(o.finished for o in outputs)
                 out_of_work = not self.scheduler.has_unfinished()
@@ -227,6 +275,20 @@ class AsyncEngine:
             logger.error("the engine stopped: %s", self._failure)
             self._publish([RequestOutput(r, "", 0, True, "error", GenerationStats(), self._failure)
                            for r in timing], timing)
+
+    def _release_followers(self, outputs: list[RequestOutput]) -> None:
+        """The later choices of every first choice that has run a round (or ended) go to the backend."""
+        for output in outputs:
+            for _, request_id, prompt_ids, params, _, _ in self._followers.pop(output.request_id, ()):
+                self.scheduler.add(request_id, prompt_ids, params)
+
+    def _abort(self, request_id: str) -> list[RequestOutput]:
+        for commands in self._followers.values():
+            for command in commands:
+                if command[1] == request_id:  # not in the backend yet: it ends here
+                    commands.remove(command)
+                    return [RequestOutput(request_id, "", 0, True, "abort", GenerationStats())]
+        return self.scheduler.abort(request_id)
 
     def _publish(self, outputs: list[RequestOutput], timing: dict[str, list]) -> None:
         now = time.perf_counter()

@@ -14,7 +14,9 @@ Contract:
   model's either way), `modalities` equal to ["text"], `parallel_tool_calls` without tools to parse,
   `stream_options.include_obfuscation`, `tools[].function.strict` (arguments are not grammar-constrained
   yet) and `messages[].refusal`; on completions `user`.
-- Fields the engine cannot honour are refused by name, never ignored: n > 1, best_of > 1,
+- `n` is how many choices the reply holds, each its own sequence: an integer 1..the server's limit (the app
+  checks it: a 400 naming `n`). Choice i of a seeded request samples with `engine.choice_seed(seed, i)`.
+- Fields the engine cannot honour are refused by name, never ignored: best_of > 1,
   echo, suffix, functions / function_call (use tools), modalities other than text, audio, verbosity,
   web_search_options, tool_choice "required" or a named function with a template whose tool-call format has no
   grammar here (the app's check),
@@ -49,9 +51,10 @@ Contract:
   the end of the context (as vLLM does).
 - `spec_decode_usage(stats)` is the per-response DFlash object: drafts, draft tokens, accepted
   draft tokens, accepted tokens per position, lookup rounds, mean acceptance length (tokens per
-  verify round, the bonus token included) and draft acceptance rate. `chat_completion` carries
+  verify round, the bonus token included) and draft acceptance rate. `chat_choice` carries
   `message.tool_calls` (ids `call_<hex>`) when the reply held calls; `tool_call_delta` is one call in a
-  streamed chunk.
+  streamed chunk. `chat_completion` / `completion` hold the choices (`chat_choice` / `completion_choice`, each
+  with its `index`); each streamed chunk carries one choice, named by its `index`.
 """
 from __future__ import annotations
 
@@ -299,10 +302,7 @@ class _SamplingRequest(_Strict):
         return {"json": fmt.json_schema.schema_}, "response_format.json_schema.schema"
 
     def check_supported(self) -> None:
-        unsupported = [
-            ("n", self.n != 1, "n must be 1: one choice per request"),
-        ]
-        for field, refused, message in unsupported + self._unsupported():
+        for field, refused, message in self._unsupported():
             if refused:
                 raise bad_request(message, param=field, code="unsupported_value")
         for i, s in enumerate(self.stop_strings()):
@@ -494,6 +494,7 @@ def spec_decode_usage(stats: GenerationStats) -> dict:
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int, stats: GenerationStats) -> dict:
+    """`usage` of a reply: `stats` are its choices' summed (`num_completion_tokens` too), the prompt counted once."""
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens,
             "prompt_tokens_details": {"cached_tokens": stats.num_cached_prompt_tokens},  # as OpenAI and vLLM report it
@@ -539,27 +540,33 @@ def completion_logprobs(entries: list, offset: int = 0) -> dict:
             "text_offset": offsets}
 
 
-def chat_completion(request_id: str, created: int, model: str, text: str | None, finish_reason: str,
-                    usage_body: dict, tool_calls: list | None = None, logprobs: dict | None = None) -> dict:
+def chat_choice(index: int, text: str | None, finish_reason: str, tool_calls: list | None = None,
+                logprobs: dict | None = None) -> dict:
     message = {"role": "assistant", "content": text}
     if tool_calls:
         message["tool_calls"] = [tool_call_body(call) for call in tool_calls]
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_completion(request_id: str, created: int, model: str, choices: list[dict], usage_body: dict) -> dict:
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
-            "usage": usage_body}
+            "choices": choices, "usage": usage_body}
 
 
-def completion(request_id: str, created: int, model: str, text: str, finish_reason: str, usage_body: dict,
-               logprobs: dict | None = None) -> dict:
+def completion_choice(index: int, text: str, finish_reason: str, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion(request_id: str, created: int, model: str, choices: list[dict], usage_body: dict) -> dict:
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
-            "usage": usage_body}
+            "choices": choices, "usage": usage_body}
 
 
 def chat_chunk(request_id: str, created: int, model: str, delta: dict | None, finish_reason: str | None = None,
-               usage_body: dict | None = None, include_usage: bool = False, logprobs: dict | None = None) -> dict:
-    """One `chat.completion.chunk`; the usage chunk (delta None) has no choices, as OpenAI sends it."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs,
+               usage_body: dict | None = None, include_usage: bool = False, logprobs: dict | None = None,
+               index: int = 0) -> dict:
+    """One `chat.completion.chunk` of choice `index`; the usage chunk (delta None) has no choices, as OpenAI sends it."""
+    choices = [] if delta is None else [{"index": index, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": finish_reason}]
     chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
              "choices": choices}
@@ -569,8 +576,9 @@ def chat_chunk(request_id: str, created: int, model: str, delta: dict | None, fi
 
 
 def completion_chunk(request_id: str, created: int, model: str, text: str | None, finish_reason: str | None = None,
-                     usage_body: dict | None = None, include_usage: bool = False, logprobs: dict | None = None) -> dict:
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": logprobs,
+                     usage_body: dict | None = None, include_usage: bool = False, logprobs: dict | None = None,
+                     index: int = 0) -> dict:
+    choices = [] if text is None else [{"index": index, "text": text, "logprobs": logprobs,
                                         "finish_reason": finish_reason}]
     chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
     if include_usage:
