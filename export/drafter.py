@@ -10,8 +10,12 @@ Contract (docs/DESIGN.md; the DFlash paper, arXiv 2602.06036, and z-lab's checkp
 * The kind (``DrafterConfig.kind``, the manifest's ``drafter.kind``): "dflash" for
   ``DFlashDraftModel``; "dflash2" for ``DFlash2DraftModel`` (named by ``architectures``, or by its
   ``dflash_config`` fields when it names none), whose settings are ``DrafterConfig.dflash2``
-  (``DFlash2Settings``) and whose module is ``ovdflash_export.dflash2``. A DFlash 2 config that
-  lacks a setting or has one out of range is a one-line ValueError.
+  (``DFlash2Settings``) and whose module is ``ovdflash_export.dflash2``; "dspark" for DeepSpec's
+  ``Qwen3DSparkModel`` (by ``architectures``, else by its ``markov_rank`` field), whose settings are
+  ``DrafterConfig.dspark`` (``DSparkSettings``) and whose module is ``ovdflash_export.dspark``. Its
+  ``block_size`` counts the drafts (slot i predicts the token after it); ``DrafterConfig.block_size``
+  is ovdflash's block, the anchor plus the drafts: one more. A DFlash 2 or DSpark config that lacks a
+  setting or has one out of range is a one-line ValueError.
 * ``DFlashDrafter.forward(block_embeds, target_hidden, position_ids, past_key_values,
   attention_mask)``: the target features of C context tokens are projected
   (``c = hidden_norm(fc(target_hidden))``); in every layer the keys/values are
@@ -45,7 +49,7 @@ VAL_SEED_KEY = "ovdflash_val_seed"
 
 
 # architectures[0] of a z-lab config -> the drafter kind recorded in the manifest
-DRAFTER_KINDS = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
+DRAFTER_KINDS = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2", "Qwen3DSparkModel": "dspark"}
 # dflash_config fields only a DFlash 2 drafter has: they name the kind when `architectures` is absent
 DFLASH2_REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
@@ -94,14 +98,58 @@ class DFlash2Settings:
         return d
 
 
+# DeepSpec's Markov head types; ovdflash runs the low-rank "vanilla" one (the published checkpoints')
+DSPARK_MARKOV_TYPES = ("vanilla",)
+
+
+@dataclass
+class DSparkSettings:
+    """A DSpark drafter's heads (DeepSpec ``Qwen3DSparkModel``'s top-level config fields): the Markov
+    head's rank (0: none) and type, and whether it has a confidence head, fed the Markov embedding too."""
+
+    markov_rank: int
+    markov_head_type: str | None = None
+    confidence_head: bool = False
+    confidence_with_markov: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DSparkSettings":
+        if "markov_rank" not in d:
+            raise ValueError("DSpark drafter config lacks markov_rank")
+        rank = int(d["markov_rank"])
+        if rank < 0:
+            raise ValueError(f"DSpark markov_rank must be >= 0, got {rank}")
+        head_type = d.get("markov_head_type")
+        if rank and head_type is None:
+            raise ValueError("DSpark drafter config lacks markov_head_type (markov_rank > 0)")
+        if rank and str(head_type).lower() not in DSPARK_MARKOV_TYPES:
+            raise ValueError(f"DSpark markov_head_type {head_type!r} is not supported (only "
+                             f"{', '.join(map(repr, DSPARK_MARKOV_TYPES))})")
+        confidence = bool(d.get("enable_confidence_head", False))
+        with_markov = confidence and bool(d.get("confidence_head_with_markov", False))
+        if with_markov and not rank:
+            raise ValueError("DSpark confidence_head_with_markov needs a Markov head (markov_rank > 0)")
+        return cls(rank, str(head_type).lower() if rank else None, confidence, with_markov)
+
+    def to_dict(self) -> dict:
+        d = {"markov_rank": self.markov_rank, "enable_confidence_head": self.confidence_head}
+        if self.markov_rank:
+            d["markov_head_type"] = self.markov_head_type
+        if self.confidence_head:
+            d["confidence_head_with_markov"] = self.confidence_with_markov
+        return d
+
+
 def drafter_kind(d: dict) -> str:
-    """The kind of a z-lab config dict: by `architectures`, else by its DFlash 2 fields."""
+    """The kind of a drafter config dict: by `architectures`, else by its DFlash 2 or DSpark fields."""
     archs = d.get("architectures") or []
     if archs:
         if archs[0] not in DRAFTER_KINDS:
             raise ValueError(f"not a DFlash drafter config: architectures={archs}")
         return DRAFTER_KINDS[archs[0]]
     fields = {**d, **(d.get("dflash_config") or {})}
+    if "markov_rank" in fields:
+        return "dspark"
     return "dflash2" if any(name in fields for name in DFLASH2_REQUIRED) else "dflash"
 
 
@@ -137,6 +185,7 @@ class DrafterConfig:
     attention_bias: bool = False
     kind: str = "dflash"  # a DRAFTER_KINDS value
     dflash2: DFlash2Settings | None = None  # set exactly when kind == "dflash2"
+    dspark: DSparkSettings | None = None  # set exactly when kind == "dspark"
     extra: dict = field(default_factory=dict, repr=False)  # unknown z-lab keys, kept on save
 
     def __post_init__(self):
@@ -185,6 +234,13 @@ class DrafterConfig:
         if kind == "dflash2":
             dflash2 = DFlash2Settings.from_dict(dflash, d, int(d["hidden_size"]), int(d["vocab_size"]))
             known |= set(DFLASH2_REQUIRED) | {"output_multiplier", "final_logit_softcapping", "input_embedding_scale"}
+        dspark = None
+        block_size = int(dflash.get("block_size", d.get("block_size", 16)))
+        if kind == "dspark":
+            dspark = DSparkSettings.from_dict(d)
+            known |= {"markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+                      "target_layer_ids", "mask_token_id"}
+            block_size += 1  # DSpark's block counts the drafts; ovdflash's adds the anchor
         return cls(
             hidden_size=int(d["hidden_size"]),
             intermediate_size=int(d["intermediate_size"]),
@@ -196,7 +252,7 @@ class DrafterConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
             vocab_size=int(d["vocab_size"]),
-            block_size=int(dflash.get("block_size", d.get("block_size", 16))),
+            block_size=block_size,
             target_layer_ids=list(ids),
             mask_token_id=int(mask),
             num_target_layers=num_target_layers,
@@ -204,6 +260,7 @@ class DrafterConfig:
             attention_bias=bool(d.get("attention_bias", False)),
             kind=kind,
             dflash2=dflash2,
+            dspark=dspark,
             extra={k: v for k, v in d.items() if k not in known},
         )
 
@@ -236,6 +293,10 @@ class DrafterConfig:
         )
         if self.target_hidden_size != self.hidden_size:
             d["target_hidden_size"] = self.target_hidden_size
+        if self.dspark is not None:  # DeepSpec's layout: top-level fields, a block of drafts
+            del d["dflash_config"]
+            d.update(self.dspark.to_dict(), block_size=self.block_size - 1, mask_token_id=self.mask_token_id,
+                     target_layer_ids=list(self.target_layer_ids))
         return d
 
 
@@ -453,6 +514,6 @@ def drafter_num_params(model: DFlashDrafter) -> int:
 
 
 __all__ = [
-    "DrafterConfig", "DFlash2Settings", "DFlashDrafter", "DRAFTER_KINDS", "drafter_kind", "build_target_layer_ids",
+    "DrafterConfig", "DFlash2Settings", "DSparkSettings", "DFlashDrafter", "DRAFTER_KINDS", "drafter_kind", "build_target_layer_ids",
     "random_drafter", "drafter_num_params", "CONFIG_NAME", "WEIGHTS_NAME",
 ]

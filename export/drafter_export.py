@@ -17,6 +17,11 @@ Contract (docs/DESIGN.md, "Drafter IR as saved"):
   ``transition_scores [1,B-1,k,k] f32`` (``DFlash2Drafter.transition_scores``) and the rt_info
   ``dflash/selector_top_k``, ``dflash/output_multiplier``, ``dflash/final_logit_softcapping``
   (0: none) the runtime's head applies. Its K/V state is the same as DFlash 1's.
+* A DSpark drafter (``ovdflash_export.dspark``) has DFlash 1's ports, state and output shape, but
+  runs the block without its last token: slot i of ``[anchor, mask*(B-2)]`` predicts the token i + 1
+  after the anchor, so ``last_hidden_state [1,B-1,H]`` is every slot it ran. Its Markov and
+  confidence heads go to ``dspark_heads.npz`` beside the IR (applied by ``ovdflash.ov.dspark``);
+  rt_info ``dflash/kind`` "dspark", ``dflash/markov_rank``, ``dflash/confidence_head`` ("0" | "1").
 
 Route: our own module (export/drafter.py) with explicit past/present K/V, converted by
 ``ov.convert_model`` (TorchScript), then made stateful by optimum's ``fuse_cache_reorder``
@@ -34,6 +39,7 @@ from torch import nn
 
 from .dflash2 import DFlash2Drafter, drafter_class
 from .drafter import CONFIG_NAME, DFlashDrafter, DrafterConfig
+from .dspark import DSparkDrafter, save_heads
 
 IR_INPUTS = ["inputs_embeds", "hidden_states", "position_ids", "attention_mask"]
 # a DFlash 2 drafter's extra inputs and output (after IR_INPUTS and last_hidden_state)
@@ -66,6 +72,19 @@ class SelectorIRWrapper(DrafterIRWrapper):
                 *past_flat):
         hidden, *presents = super().forward(inputs_embeds, hidden_states, position_ids, attention_mask, *past_flat)
         return (hidden, self.drafter.transition_scores(hidden, candidate_ids, anchor_ids), *presents)
+
+
+class DSparkIRWrapper(DrafterIRWrapper):
+    """DSpark: the block without its last token, every slot a draft (slot i predicts anchor + i + 1)."""
+
+    def forward(self, inputs_embeds, hidden_states, position_ids, attention_mask, *past_flat):
+        past = [(past_flat[2 * i], past_flat[2 * i + 1]) for i in range(len(past_flat) // 2)]
+        mask = attention_mask[:, None, None, :-1].to(torch.bool)
+        hidden, presents = self.drafter(inputs_embeds[:, :-1], hidden_states, position_ids[:, :-1], past, mask)
+        outputs = [hidden]
+        for k, v in presents:
+            outputs += [k, v]
+        return tuple(outputs)
 
 
 def kv_names(num_layers: int):
@@ -105,6 +124,8 @@ def convert_drafter(drafter: DFlashDrafter, stateful: bool = True) -> ov.Model:
         out_names.append(SELECTOR_OUTPUT)
         shapes += [ov.PartialShape([-1, -1, top_k]), ov.PartialShape([-1])]
         wrapper = SelectorIRWrapper(drafter)
+    elif isinstance(drafter, DSparkDrafter):
+        wrapper = DSparkIRWrapper(drafter)
     example += [torch.randn(1, kv, past_len, hd, generator=gen) for _ in range(2 * n_layers)]
     with torch.no_grad():
         model = ov.convert_model(wrapper, example_input=tuple(example))
@@ -134,6 +155,9 @@ def convert_drafter(drafter: DFlashDrafter, stateful: bool = True) -> ov.Model:
         model.set_rt_info(str(s.selector_top_k), ["dflash", "selector_top_k"])
         model.set_rt_info(repr(s.output_multiplier), ["dflash", "output_multiplier"])
         model.set_rt_info(repr(s.final_logit_softcapping or 0.0), ["dflash", "final_logit_softcapping"])
+    if cfg.dspark is not None:
+        model.set_rt_info(str(cfg.dspark.markov_rank), ["dflash", "markov_rank"])
+        model.set_rt_info(str(int(cfg.dspark.confidence_head)), ["dflash", "confidence_head"])
     return model
 
 
@@ -151,14 +175,17 @@ def export_drafter(drafter_dir, out_dir, weight_format: str = "fp32", block_size
     from .compress import compress_model
 
     cfg = DrafterConfig.from_dict(json.loads((Path(drafter_dir) / CONFIG_NAME).read_text()))
-    drafter = drafter_class(cfg).from_pretrained(drafter_dir)
+    drafter = (DSparkDrafter if cfg.kind == "dspark" else drafter_class(cfg)).from_pretrained(drafter_dir)
     if block_size is not None:
         drafter.config.block_size = int(block_size)
     model = convert_drafter(drafter)
     model = compress_model(model, weight_format)
     xml = save_drafter(model, drafter_dir, out_dir, compress_to_fp16=weight_format == "fp16")
+    if isinstance(drafter, DSparkDrafter):
+        save_heads(drafter, out_dir)
     if block_size is not None:
         cfg = json.loads((Path(out_dir) / CONFIG_NAME).read_text())
-        cfg["block_size"] = int(block_size)
+        # a DSpark config counts the drafts, ovdflash's block the anchor too
+        cfg["block_size"] = int(block_size) - (isinstance(drafter, DSparkDrafter))
         (Path(out_dir) / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
     return xml

@@ -129,6 +129,12 @@ def validate_pair(target, drafter, block_size: int | None = None) -> PairInfo:
         if (Path(drafter) / DRAFT_VOCAB_FILE).is_file() and dcfg.dflash2.selector_top_k > len(draft_vocab):
             raise PairMismatchError(f"selector_top_k {dcfg.dflash2.selector_top_k} exceeds the {len(draft_vocab)} ids "
                                     f"of {DRAFT_VOCAB_FILE}")
+    if dcfg.kind == "dspark":
+        from .dspark import check_checkpoint as check_dspark
+        try:
+            check_dspark(drafter, dcfg)
+        except ValueError as exc:
+            raise PairMismatchError(str(exc)) from None
     return PairInfo(tcfg, dcfg, arch, vocab, hidden, layers)
 
 

@@ -2,7 +2,7 @@
 
 Contract:
 - A model directory holds `manifest.json`, `target/openvino_model.xml|bin`, `drafter/openvino_model.xml|bin`
-  (and optionally `drafter/draft_vocab.json`), and the tokenizer files (docs/DESIGN.md). The names
+  (and optionally `drafter/draft_vocab.json`; a DSpark drafter's `drafter/dspark_heads.npz`), and the tokenizer files (docs/DESIGN.md). The names
   below are the only place these paths are spelled; the export stage writes them, the runtime reads them.
 - `load_manifest(model_dir)` reads and validates `manifest.json`: the format string, the keys the
   runtime needs (`REQUIRED_KEYS`, each named in the error when missing or of the wrong type), and
@@ -11,7 +11,8 @@ Contract:
   and `default_block_size` filled in; `drafter_kind(manifest)` is its drafter's kind.
 - `manifest_compile_options(manifest)`: the OpenVINO compile options the export recorded for this
   model (`ovdflash export --compile-option KEY=VALUE`), as a fresh dict; empty when none.
-- `checksum_files(model_dir)` -> {relative path: sha256} of the IR files (`IR_FILES`), which export
+- `checksum_files(model_dir)` -> {relative path: sha256} of the IR files (`IR_FILES`, and `DSPARK_HEADS`
+  when present), which export
   records as the manifest's `files`; `verify_files(model_dir, manifest)` -> the paths that are missing
   or differ (empty: all match; None: the manifest records no checksums).
 - Nothing here imports openvino: the export stage and the CLI use it before the runtime loads.
@@ -28,6 +29,8 @@ TARGET_XML = "target/openvino_model.xml"
 DRAFTER_XML = "drafter/openvino_model.xml"
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # optional, in a drafter checkpoint and in DIR/drafter/
 DRAFT_VOCAB = "drafter/" + DRAFT_VOCAB_FILE
+DSPARK_HEADS_FILE = "dspark_heads.npz"  # a DSpark drafter's Markov and confidence heads, beside its IR
+DSPARK_HEADS = "drafter/" + DSPARK_HEADS_FILE
 IR_FILES = (TARGET_XML, TARGET_XML[:-4] + ".bin", DRAFTER_XML, DRAFTER_XML[:-4] + ".bin")
 
 # How the target's attention and KV cache run (compile.compile_runners): "paged" (openvino's
@@ -52,8 +55,9 @@ def runners_for(manifest: dict) -> tuple[str, ...]:
 DRAFT_PASSES = ("full_block", "exact")
 
 # The drafter's kind (`drafter.kind`; "dflash" when absent): "dflash" (DFlash 1: the head's argmax
-# per slot) or "dflash2" (DFlash 2: top-k candidates per slot and a selector walk, ovdflash.ov.dflash2)
-DRAFTER_KINDS = ("dflash", "dflash2")
+# per slot), "dflash2" (DFlash 2: top-k candidates per slot and a selector walk, ovdflash.ov.dflash2)
+# or "dspark" (DSpark: a Markov walk over the slots and a confidence head, ovdflash.ov.dspark)
+DRAFTER_KINDS = ("dflash", "dflash2", "dspark")
 
 # key -> accepted types; the runtime cannot run a directory without them
 REQUIRED_KEYS = {
@@ -152,7 +156,8 @@ def file_sha256(path: Path) -> str:
 
 
 def checksum_files(model_dir: str | Path) -> dict[str, str]:
-    return {name: file_sha256(Path(model_dir) / name) for name in IR_FILES}
+    names = IR_FILES + ((DSPARK_HEADS,) if (Path(model_dir) / DSPARK_HEADS).is_file() else ())
+    return {name: file_sha256(Path(model_dir) / name) for name in names}
 
 
 def verify_files(model_dir: str | Path, manifest: dict) -> list[str] | None:

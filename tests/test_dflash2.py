@@ -5,13 +5,13 @@ test-only oracle; every optional transform active: input scale, logit multiplier
 exported with the default tiny qwen3 target at block 8 and run under STRICT_F32.
 """
 import json
-import shutil
 
 import numpy as np
 import pytest
 import torch
+from drafter_checks import (assert_export_fails, assert_greedy_equals_ar, assert_seeded_equals_ar, edited_checkpoint,
+                            strict_pipe)
 
-from ovdflash import STRICT_F32, DFlashPipeline
 from ovdflash.manifest import load_manifest
 from ovdflash.ov.dflash2 import walk
 
@@ -40,10 +40,7 @@ def model_dir(sources, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pipe(model_dir, tmp_path_factory):
-    pipe = DFlashPipeline.from_pretrained(model_dir, cache_dir=tmp_path_factory.mktemp("ov_cache_dflash2"),
-                                          INFERENCE_NUM_THREADS=1, **STRICT_F32)
-    pipe.default_block_size = pipe.block_size
-    return pipe
+    return strict_pipe(model_dir, tmp_path_factory.mktemp("ov_cache_dflash2"))
 
 
 @pytest.fixture(scope="module")
@@ -203,50 +200,15 @@ def test_a_pass_shorter_than_the_convolution_equals_the_reference(pipe, referenc
     assert got.tolist() == reference_proposal(ref, hf, 23, feats, 2)[0].tolist()
 
 
-def random_prompts(n, vocab, seed=0):
-    rng = np.random.default_rng(seed)
-    lengths = np.r_[1, 2, rng.integers(1, 60, size=n - 2)]
-    return [rng.integers(0, vocab, size=int(k)).tolist() for k in lengths]
-
-
 @pytest.mark.parametrize("block", [4, 8])
 def test_greedy_dflash2_equals_autoregressive(pipe, block):
-    from ovdflash.decode.stats import GenerationStats
-
-    stats = GenerationStats()
-    for i, prompt in enumerate(random_prompts(20, pipe.tokenizer.vocab_size, seed=block)):
-        ar = [e.token for e in pipe.generate_tokens(prompt, 32, draft=False, eos_token_ids=[])]
-        spec = [e.token for e in pipe.generate_tokens(prompt, 32, block_size=block, prompt_lookup=False,
-                                                      eos_token_ids=[], stats=stats)]
-        assert spec == ar, i
-    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0  # rounds both accept and roll back
+    assert_greedy_equals_ar(pipe, block)
 
 
 def test_a_seeded_sampled_reply_equals_autoregressive(pipe):
     """The walk's choice is a deterministic proposal (q one-hot): the rejection sampler stays exact,
     so a seeded reply is the AR one token for token."""
-    for seed, prompt in enumerate(random_prompts(4, pipe.tokenizer.vocab_size, seed=9)):
-        ar = pipe.generate(prompt, max_new_tokens=24, seed=seed, temperature=0.8, draft=False)
-        spec = pipe.generate(prompt, max_new_tokens=24, seed=seed, temperature=0.8, prompt_lookup=False)
-        assert spec.token_ids == ar.token_ids, seed
-
-
-def _edit_checkpoint(src, dst, config=None, drop=()):
-    from safetensors.numpy import load_file, save_file
-
-    shutil.copytree(src, dst)
-    if config:
-        cfg = json.loads((dst / "config.json").read_text())
-        for key, value in config.items():
-            if value is None:
-                cfg["dflash_config"].pop(key)
-            else:
-                cfg["dflash_config"][key] = value
-        (dst / "config.json").write_text(json.dumps(cfg))
-    if drop:
-        state = load_file(str(dst / "model.safetensors"))
-        save_file({k: v for k, v in state.items() if k not in drop}, str(dst / "model.safetensors"))
-    return dst
+    assert_seeded_equals_ar(pipe)
 
 
 @pytest.mark.parametrize("case,config,drop,message", [
@@ -257,18 +219,8 @@ def _edit_checkpoint(src, dst, config=None, drop=()):
     ("group size", {"conv_group_size": 24}, (), "conv_group_size 24 does not divide hidden_size 64"),
 ])
 def test_a_bad_dflash2_config_is_a_one_line_error(sources, tmp_path, case, config, drop, message):
-    from click.testing import CliRunner
-
-    from ovdflash.cli import main
-
     target, drafter = sources
-    bad = _edit_checkpoint(drafter, tmp_path / "bad", config, drop)
-    result = CliRunner().invoke(main, ["export", "--target", str(target), "--drafter", str(bad),
-                                       "--out", str(tmp_path / "out")])
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], result.output
-    assert not (tmp_path / "out").exists()
+    assert_export_fails(target, edited_checkpoint(drafter, tmp_path / "bad", config, drop, section="dflash_config"), tmp_path / "out", message)
 
 
 def test_the_kind_is_read_from_architectures_or_fields(sources):
@@ -281,3 +233,29 @@ def test_the_kind_is_read_from_architectures_or_fields(sources):
     assert DrafterConfig.from_dict({k: v for k, v in d.items() if k != "architectures"}).kind == "dflash2"
     with pytest.raises(ValueError, match="not a DFlash drafter config"):
         DrafterConfig.from_dict({**d, "architectures": ["LlamaForCausalLM"]})
+
+
+def test_sampled_dflash2_follows_the_ar_distribution(pipe):
+    """Two-sample chi-square (contingency) of tokens 1..3, DFlash 2 against AR, independent seeds."""
+    from scipy import stats as sps
+
+    from ovdflash.decode.stats import GenerationStats
+
+    prompt, params, samples = [5, 17, 33], dict(temperature=0.3, top_k=3), 300
+    stats = GenerationStats()
+
+    def draw(draft):
+        return np.array([[e.token for e in pipe.generate_tokens(
+            prompt, 4, draft=draft, seed=s + (10 ** 6 if draft else 0), eos_token_ids=[], block_size=4,
+            prompt_lookup=False, stats=stats if draft else None, **params)] for s in range(samples)])
+
+    ar, spec = draw(False), draw(True)
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 10  # both acceptance and rejection ran
+    p_values = {}
+    for pos in (1, 2, 3):
+        values = sorted(set(ar[:, pos]) | set(spec[:, pos]))
+        table = np.array([[np.sum(ar[:, pos] == v) for v in values], [np.sum(spec[:, pos] == v) for v in values]])
+        keep = table.sum(0) >= 10  # pool rare tokens
+        table = np.c_[table[:, keep], table[:, ~keep].sum(1, keepdims=True)]
+        p_values[pos] = sps.chi2_contingency(table[:, table.sum(0) > 0]).pvalue
+    assert min(p_values.values()) > 1e-3, p_values

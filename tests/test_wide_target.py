@@ -167,3 +167,14 @@ def test_auto_builds_the_copy_only_where_memory_allows(fp16_pair, monkeypatch):
     assert not wide_target.wanted(bin_path)
     monkeypatch.setattr(wide_target, "available_memory_bytes", lambda: None)
     assert not wide_target.wanted(bin_path)
+
+
+def test_the_copys_file_pages_are_dropped_right_after_its_compile(fp16_pair, tmp_path):
+    from ovdflash.ov.memory import mapped_resident_bytes
+
+    # the load's peak: both targets' first calls would otherwise run with the f32 file resident
+    target, _ = compile_runners(fp16_pair, load_manifest(fp16_pair), config={**CONFIG, "CACHE_DIR": str(tmp_path)},
+                                with_drafter=False, wide_target=True)
+    assert target.wide_xml is not None
+    copy_bin = target.wide_xml.with_suffix(".bin")
+    assert mapped_resident_bytes([copy_bin]) < copy_bin.stat().st_size // 4

@@ -3,7 +3,8 @@
 Contract:
 - `compile_runners(model_dir, manifest, device, config, with_drafter)` reads the saved IRs,
   applies the drafter's runtime graph for the manifest's drafter kind (`runtime_drafter_graph`:
-  `graphs.drafter_for_runtime`, or `dflash2.selector_for_runtime`) and `graphs.target_for_runtime`,
+  `graphs.drafter_for_runtime`, `dflash2.selector_for_runtime` or `dspark.dspark_for_runtime`, whose
+  heads `drafter/dspark_heads.npz` are attached to the compiled drafter) and `graphs.target_for_runtime`,
   compiles with CACHE_DIR set (except for a target with fp16 weights: `FP16_UNCACHED`), and returns
   (OVPagedTarget | OVTarget | HybridTarget, OVDrafter | None). The drafter gets `DRAFTER_DEFAULTS`
   under `config` (a key set in `config` wins), and every model compiled for the CPU `cpu_defaults`
@@ -12,8 +13,9 @@ Contract:
 - `compile_runners(..., target_runner=)` picks the target runner (`ovdflash.TARGET_RUNNERS`):
   "paged" (the default) applies openvino's paged-attention transformation before the runtime
   graph edits (`runtime_target_graph`) and returns an `OVPagedTarget`, with an f32-weight copy
-  for wide calls where `ov.wide_target` wants one; "stateful" keeps the exported IR: `OVTarget`;
-  "hybrid" exactly when the manifest names it (`ov.hybrid`).
+  for wide calls where `ov.wide_target` wants one (the copy's file pages dropped once it is
+  compiled); "stateful" keeps the exported IR: `OVTarget`; "hybrid" exactly when the manifest
+  names it (`ov.hybrid`).
 - `read_ir(core, xml, role)`: `core.read_model` with a one-line error naming the file.
 """
 from __future__ import annotations
@@ -22,10 +24,11 @@ from pathlib import Path
 
 import openvino as ov
 
-from ..manifest import (DEFAULT_TARGET_RUNNER, DRAFT_VOCAB, DRAFTER_XML, TARGET_XML, drafter_kind, parse_target_runner,
+from ..manifest import (DEFAULT_TARGET_RUNNER, DRAFT_VOCAB, DRAFTER_XML, DSPARK_HEADS, TARGET_XML, drafter_kind, parse_target_runner,
                         runners_for)
-from . import dflash2, graphs
+from . import dflash2, dspark, graphs
 from . import wide_target as wide_weights
+from .memory import release_mapped_files
 from .paged import OVPagedTarget
 from .runners import OVDrafter, OVTarget, kv_seq_axes
 
@@ -56,7 +59,8 @@ FP16_UNCACHED = "fp16"
 
 
 # the runtime graph of each drafter kind (manifest.DRAFTER_KINDS); OVDrafter picks the proposer that reads it
-DRAFTER_GRAPHS = {"dflash": graphs.drafter_for_runtime, "dflash2": dflash2.selector_for_runtime}
+DRAFTER_GRAPHS = {"dflash": graphs.drafter_for_runtime, "dflash2": dflash2.selector_for_runtime,
+                  "dspark": dspark.dspark_for_runtime}
 
 
 def runtime_drafter_graph(drafter: ov.Model, target: ov.Model, draft_vocab=None, kind: str = "dflash") -> ov.Model:
@@ -138,12 +142,20 @@ def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", 
                 wide_xml = wide_weights.f32_weights_ir(model_dir / TARGET_XML, (config or {}).get("CACHE_DIR"))
                 wide_model = runtime_target_graph(read_ir(core, wide_xml, "f32-weight target"), manifest, "paged")
                 wide = core.compile_model(wide_model, device, target_config)
+                # compiling copied its weights: drop the f32 file's pages now, not after both targets ran
+                release_mapped_files([wide_xml.with_suffix(".bin")])
             target = OVPagedTarget(compiled_target, max_length, wide=wide, **target_options)
             target.wide_xml = wide_xml
         else:
             target = OVTarget(compiled_target, max_length, seq_axes, **target_options)
     if with_drafter:
-        drafter = OVDrafter(core.compile_model(drafter_model, device, {**DRAFTER_DEFAULTS, **config}),
+        compiled_drafter = core.compile_model(drafter_model, device, {**DRAFTER_DEFAULTS, **config})
+        if drafter_kind(manifest) == "dspark":
+            if not (model_dir / DSPARK_HEADS).is_file():
+                raise FileNotFoundError(f"{model_dir / DSPARK_HEADS}: the DSpark drafter's heads are missing; "
+                                        "re-export the model directory")
+            dspark.attach_heads(compiled_drafter, dspark.read_heads(model_dir / DSPARK_HEADS, draft_vocab))
+        drafter = OVDrafter(compiled_drafter,
                             int(manifest["block_size"]), int(manifest["mask_token_id"]), max_length,
                             exact_passes=manifest.get("draft_pass") == "exact", seq_axes=drafter_seq_axes)
     return target, drafter

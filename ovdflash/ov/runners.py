@@ -16,12 +16,13 @@ Contract:
 - `OVDrafter` implements `DrafterRunner`: it feeds the block `[last, mask*(B-1)]` as ids,
   the new context features, positions and an all-ones mask, and reads back only the proposals:
   its proposer follows the compiled graph's kind (`proposals_for`): `ArgmaxProposals` reads a DFlash
-  drafter's `draft_tokens`, `dflash2.SelectorWalk` walks a DFlash 2 drafter's candidates.
+  drafter's `draft_tokens`, `dflash2.SelectorWalk` walks a DFlash 2 drafter's candidates,
+  `dspark.DSparkWalk` a DSpark drafter's Markov-biased slot logits.
   A round that verifies k < B-1 drafts still runs the whole block and reads its first k
   (`draft_block` = B, manifest `draft_pass` "full_block"), or runs k + 1 tokens (`draft_block` 0,
   "exact"); near the end of the positions the pass shrinks to fit. `rewind(k)` cuts its context
   state to the first k positions (prefix reuse across calls).
-May import: numpy, openvino, `.inference` and `.dflash2`.
+May import: numpy, openvino, `.inference`, `.dflash2` and `.dspark`.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import numpy as np
 import openvino as ov
 
 from .dflash2 import SelectorWalk, is_selector_graph
+from .dspark import DSparkWalk, is_dspark_graph
 from .inference import LogitRows, run_request
 
 
@@ -149,8 +151,10 @@ class ArgmaxProposals:
         return request.get_tensor(self.tokens_out).data[0, :num_drafts].copy()
 
 
-def proposals_for(compiled: ov.CompiledModel) -> ArgmaxProposals | SelectorWalk:
+def proposals_for(compiled: ov.CompiledModel) -> ArgmaxProposals | SelectorWalk | DSparkWalk:
     """The proposer for a compiled drafter graph, by the outputs its kind's graph has."""
+    if is_dspark_graph(compiled):
+        return DSparkWalk(compiled)
     return SelectorWalk(compiled) if is_selector_graph(compiled) else ArgmaxProposals(compiled)
 
 
