@@ -3,10 +3,11 @@
 Contract:
 - `grammar_state(tokenizer, spec, vocab_size, eos_token_ids)` -> a fresh `decode.structured.GrammarState`
   for one call, holding its output to `spec` (a `decode.structured.StructuredSpec`, or anything
-  `structured_spec` reads). The llguidance tokenizer is built once per (tokenizer, vocabulary, EOS ids)
-  from the HF `tokenizers` JSON the model directory carries (`Tokenizer.tokenizer.to_str()`; never
-  transformers); its vocabulary is the model's (ids the tokenizer lacks are never allowed) and its EOS
-  ids are the pipeline's, so EOS is allowed exactly where the grammar accepts.
+  `structured_spec` reads), drafting the tokens it forces unless the spec's `forced_drafts` is False.
+  The llguidance tokenizer is built once per (tokenizer, vocabulary, EOS ids) from the HF `tokenizers`
+  JSON the model directory carries (`Tokenizer.tokenizer.to_str()`; never transformers); its vocabulary
+  is the model's (ids the tokenizer lacks are never allowed) and its EOS ids are the pipeline's, so EOS
+  is allowed exactly where the grammar accepts.
 - `check_structured(tokenizer, spec, vocab_size, eos_token_ids)`: the same compilation without keeping
   the matcher; a JSON schema, regex or grammar llguidance refuses is a ValueError of one line that
   names the spec's field (`structured json: ...`). Both raise ValueError when llguidance is missing.
@@ -85,7 +86,8 @@ def check_structured(tokenizer: Tokenizer, spec, vocab_size: int | None, eos_tok
 
 
 def grammar_state(tokenizer: Tokenizer, spec, vocab_size: int | None, eos_token_ids) -> GrammarState:
-    return GrammarState(LLGuidanceMatcher(*_matcher(tokenizer, spec, vocab_size, eos_token_ids)))
+    return GrammarState(LLGuidanceMatcher(*_matcher(tokenizer, spec, vocab_size, eos_token_ids)),
+                        structured_spec(spec).forced_drafts)
 
 
 class LLGuidanceMatcher:

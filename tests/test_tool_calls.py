@@ -12,13 +12,15 @@ the prompt is rendered by the real tokenizer and chat template), `message.tool_c
 arguments), finish_reason "tool_calls", content outside the calls, parallel calls and parallel_tool_calls
 false, garbage as content, the streamed deltas equal the whole answer; earlier calls and tool results
 rendered into the prompt; tool_choice "none" renders without parsing, "required" and a named function are a
-400 naming tool_choice where they cannot be held (an unknown name, with response_format, a format with no call
-grammar); a Llama-3 template reads JSON replies. On the real tiny pair with a Qwen-style
-template: the tools reach the prompt (/tokenize, usage.prompt_tokens) and the reply is the pipeline's own
-greedy text for that prompt, parsed; with the tiny pair's plain ChatML template (no tool format) tools are
+400 naming tool_choice where they cannot be held (an unknown name, with response_format); a Llama-3 template
+reads JSON replies. The qwen3_xml call grammar takes calls of the offered functions with their parameters
+(required ones present, values of their schema's kind) and refuses the rest; what it takes parses to the
+call. On the real tiny pair with a Qwen-style template: the tools reach the prompt (/tokenize,
+usage.prompt_tokens) and the reply is the pipeline's own greedy text for that prompt, parsed; with the tiny pair's plain ChatML template (no tool format) tools are
 a 400 unless tool_choice is "none"; tools, earlier calls and tool results render exactly as transformers'
 apply_chat_template(tools=...) renders them; `ovdflash serve` prints the detected format at start-up.
 """
+import functools
 import json
 import random
 import shutil
@@ -466,17 +468,63 @@ def test_a_tool_choice_that_cannot_be_held_is_a_400(scripted, tool_choice, extra
     assert len(scripted.backend.prompts) == before  # refused before it reached the engine
 
 
-def test_tool_choice_required_with_a_format_without_a_call_grammar_is_a_400():
-    import openai
+# a tool whose parameters take every kind of value the qwen3_xml grammar writes
+XML_TOOLS = {
+    "get_weather": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "units": {"enum": ["C", "F"]}, "level": {"enum": [1, 2]}, "opts": {"type": "object", "properties": {
+            "a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}},
+        "required": ["city", "days"]},
+    "now": {"type": "object", "properties": {}},
+    "note": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+}
 
+
+@functools.lru_cache(maxsize=1)
+def xml_tokenizer():
+    from ovdflash_export.tiny import train_tiny_tokenizer
+
+    from ovdflash.tokenizer import Tokenizer
+
+    return Tokenizer(train_tiny_tokenizer(512), eos_token="<|im_end|>")
+
+
+def xml_call(name: str, *parameters: tuple[str, str]) -> str:
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in parameters)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("text,arguments", [
+    (xml_call("get_weather", ("city", "New York"), ("days", "3")), ("get_weather", {"city": "New York", "days": 3})),
+    (xml_call("get_weather", ("city", "a\nb"), ("days", "7"), ("units", "F"), ("level", "2"), ("opts", '{"a": true}')),
+     ("get_weather", {"city": "a\nb", "days": 7, "units": "F", "level": 2, "opts": {"a": True}})),
+    (xml_call("now"), ("now", {})),
+    (xml_call("note", ("text", "x < y </paramete")), ("note", {"text": "x < y </paramete"})),
+    (xml_call("get_weather", ("days", "3")), None),  # a required parameter missing
+    (xml_call("get_weather", ("city", "Oslo"), ("days", "9")), None),  # out of the integer's bounds
+    (xml_call("get_weather", ("city", "A very long city"), ("days", "3")), None),  # past maxLength
+    (xml_call("get_weather", ("city", "Oslo"), ("days", "3"), ("units", "K")), None),  # not in the enum
+    (xml_call("get_weather", ("days", "3"), ("city", "Oslo")), None),  # not in the schema's order
+    (xml_call("nope"), None),  # not one of the tools
+    (xml_call("now", ("x", "1")), None),  # not one of its parameters
+    (xml_call("note", ("text", "x</parameter>y")), None),  # a value holding the closing tag
+    ("<tool_call>\n<function=now>\n</function>\n</tool_call>\n<tool_call>", None),  # a second call
+], ids=["required", "every_kind", "no_parameters", "free_text", "missing_required", "bounds", "max_length",
+        "enum", "order", "unknown_function", "unknown_parameter", "closing_tag_in_value", "two_calls"])
+def test_the_qwen3_xml_call_grammar_holds_names_parameters_and_values(text, arguments):
+    """What the grammar takes parses to the call with those arguments; what it refuses is not taken whole."""
     pytest.importorskip("llguidance")
-    app, backend = scripted_app(QWEN35_TEMPLATE_EXCERPT)
-    with serving(app) as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-        with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required")
-    assert err.value.param == "tool_choice" and "qwen3_xml" in err.value.body["message"]
-    assert not backend.prompts
+    from ovdflash.grammar import grammar_state
+    from ovdflash.server.tool_calls import call_grammar
+
+    tokenizer = xml_tokenizer()
+    eos = tokenizer.tokenizer.token_to_id("<|im_end|>")
+    matcher = grammar_state(tokenizer, {"grammar": call_grammar("qwen3_xml", XML_TOOLS)}, 512, [eos]).matcher
+    ids = tokenizer.encode(text)
+    taken = matcher.consume(ids) == len(ids) and matcher.stopped
+    assert taken == (arguments is not None), text
+    if arguments is not None:
+        assert calls_of(parse_reply(new_parser("qwen3_xml", XML_TOOLS), text)) == [arguments]
 
 
 def test_a_llama3_template_reads_json_replies():
@@ -500,18 +548,23 @@ def test_a_llama3_template_reads_json_replies():
 REAL_TOOLS = TOOLS[1:]  # one short tool: the tiny pair's context is small
 
 
+def pair_with_template(tiny_pair, model_dir, template: str):
+    """A copy of the tiny pair in `model_dir` whose chat template is `template`."""
+    shutil.copytree(tiny_pair, model_dir)
+    (model_dir / "chat_template.jinja").write_text(template)
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config))
+    return model_dir
+
+
 @pytest.fixture(scope="module")
 def hermes_pipe(tiny_pair, tmp_path_factory):
     """The tiny pair with a Qwen-style chat template that renders tools (the pair's own ChatML one does not)."""
     from ovdflash import DFlashPipeline
 
-    model_dir = tmp_path_factory.mktemp("hermes") / "pair"
-    shutil.copytree(tiny_pair, model_dir)
-    (model_dir / "chat_template.jinja").write_text(HERMES_TEMPLATE)
-    config_path = model_dir / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = HERMES_TEMPLATE
-    config_path.write_text(json.dumps(config))
+    model_dir = pair_with_template(tiny_pair, tmp_path_factory.mktemp("hermes") / "pair", HERMES_TEMPLATE)
     return DFlashPipeline.from_pretrained(model_dir, cache_dir=tmp_path_factory.mktemp("hermes_cache"))
 
 

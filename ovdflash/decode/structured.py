@@ -6,7 +6,9 @@ Contract:
   strings: the output is exactly one of them) or "grammar" (a Lark grammar in llguidance's syntax).
   `structured_spec(value)` reads a call's `structured` argument: None, a StructuredSpec, or a dict with
   exactly one of the keys json, json_object, regex, choice, grammar (vLLM's `structured_outputs`
-  spelling); anything else is a one-line ValueError naming what is wrong. Compiling a spec into a
+  spelling), and optionally `forced_drafts` (default True; False: the round never drafts the tokens the
+  grammar forces, for measuring what they bring; the output is the same either way); anything else is a
+  one-line ValueError naming what is wrong. Compiling a spec into a
   matcher is `ovdflash.grammar`'s (it needs the tokenizer; decode/ never imports llguidance).
 - A `GrammarMatcher` (ovdflash.grammar.LLGuidanceMatcher, or a test's) holds the tokens chosen so far:
   `consume(tokens) -> n` takes the longest prefix the grammar allows (n tokens) and leaves the matcher
@@ -20,8 +22,8 @@ Contract:
     `logits_processors.ProcessedRows` row) with every token the grammar forbids at position i (after
     the output so far and drafts[:i]) set to -inf, made when first read and kept. Greedy takes its
     argmax; sampling warps it (temperature, top-k, top-p over the allowed tokens).
-  - `forced()`: the tokens the grammar forces next (none once it is complete); the round drafts them in
-    place of the drafter's first drafts.
+  - `forced()`: the tokens the grammar forces next (none once it is complete, or with forced_drafts
+    False); the round drafts them in place of the drafter's first drafts.
   - `chosen(tokens) -> int | None`: after acceptance, the matcher holds exactly the output so far plus
     `tokens` (the accepted drafts, then the target's token): what the rows walked past is rolled back.
     Returns how many of `tokens` it took to complete the grammar (the round stops there, "stop"), or None.
@@ -48,9 +50,12 @@ STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 class StructuredSpec:
     kind: str
     value: object = None
+    forced_drafts: bool = True
 
     def __post_init__(self):
         kind, value = self.kind, self.value
+        if not isinstance(self.forced_drafts, bool):
+            raise ValueError(f"structured forced_drafts must be true or false, got {self.forced_drafts!r}")
         if kind not in STRUCTURED_KINDS:
             raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {kind!r}")
         if kind == "json":
@@ -81,14 +86,15 @@ def structured_spec(value) -> StructuredSpec | None:
     if not isinstance(value, dict):
         raise ValueError(f"structured must be a dict with one of {', '.join(STRUCTURED_KINDS)}, "
                          f"got {type(value).__name__}")
-    given = [k for k, v in value.items() if v is not None and v is not False]
-    unknown = [k for k in value if k not in STRUCTURED_KINDS]
+    given = [k for k, v in value.items() if k in STRUCTURED_KINDS and v is not None and v is not False]
+    unknown = [k for k in value if k not in STRUCTURED_KINDS and k != "forced_drafts"]
     if unknown:
-        raise ValueError(f"structured has an unknown key {unknown[0]!r}; use one of {', '.join(STRUCTURED_KINDS)}")
+        raise ValueError(f"structured has an unknown key {unknown[0]!r}; use one of {', '.join(STRUCTURED_KINDS)} "
+                         f"(and forced_drafts)")
     if len(given) != 1:
         raise ValueError(f"structured needs exactly one of {', '.join(STRUCTURED_KINDS)}, got {len(given)}")
     kind = given[0]
-    return StructuredSpec(kind, None if kind == "json_object" else value[kind])
+    return StructuredSpec(kind, None if kind == "json_object" else value[kind], value.get("forced_drafts", True))
 
 
 class GrammarMatcher(Protocol):
@@ -103,8 +109,9 @@ class GrammarMatcher(Protocol):
 class GrammarState:
     """One sequence's grammar between rounds (module contract)."""
 
-    def __init__(self, matcher: GrammarMatcher):
+    def __init__(self, matcher: GrammarMatcher, forced_drafts: bool = True):
         self.matcher = matcher
+        self.forced_drafts = forced_drafts
         self._drafts: list[int] = []  # the round's verified drafts
         self._walked = 0  # drafts the matcher holds beyond the output so far
 
@@ -119,7 +126,7 @@ class GrammarState:
         return drafts[:kept]
 
     def forced(self) -> list[int]:
-        return [] if self.matcher.stopped else list(self.matcher.forced())
+        return [] if self.matcher.stopped or not self.forced_drafts else list(self.matcher.forced())
 
     def rows(self, rows, drafts: np.ndarray) -> "ConstrainedRows":
         self._walk_to(0)

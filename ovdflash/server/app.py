@@ -29,8 +29,8 @@ Contract:
   none); streamed: content deltas, then each call as one `delta.tool_calls` entry once it is complete.
   tools with a template of no known format: 400 naming `tools`, unless tool_choice is "none" (rendered,
   not parsed). tool_choice "required" or a named function holds the reply to one call of those tools in the
-  template's format, arguments valid against the tool's schema (tool_calls.call_grammar, hermes and
-  llama3_json; another format is a 400 naming tool_choice), parsed as above.
+  template's format (tool_calls.call_grammar: hermes and llama3_json with arguments valid against the
+  tool's schema, qwen3_xml with the tool's parameters as that grammar holds them), parsed as above.
 - Penalties, logit bias and logprobs (protocol's ranges; logit_bias keys checked against the vocabulary) go
   to the engine with the request. Logprobs come in OpenAI's shapes (protocol.chat_logprobs /
   completion_logprobs), one entry per generated token (EOS and the token that completed a stop string
@@ -264,9 +264,10 @@ class _Api:
                               f"{requested[1].split('.')[0]}", param="tool_choice")
         grammar = tool_calls.call_grammar(self.tool_format, forced_tools) if self.tool_format else None
         if grammar is None:
-            raise bad_request(f"tool_choice \"required\" or naming a function is held to a grammar only for the hermes "
-                              f"and llama3_json tool-call formats; this model's is {self.tool_format or 'none'}: send "
-                              f"\"auto\" (the model chooses) or \"none\"", param="tool_choice", code="unsupported_value")
+            raise bad_request(f"tool_choice \"required\" or naming a function is held to a grammar only for the "
+                              f"hermes, qwen3_xml and llama3_json tool-call formats; this model's is "
+                              f"{self.tool_format or 'none'}: send \"auto\" (the model chooses) or \"none\"",
+                              param="tool_choice", code="unsupported_value")
         return {"grammar": grammar}, "tool_choice"
 
     def check_choices(self, req: protocol._SamplingRequest) -> None:

@@ -18,8 +18,8 @@ Contract:
   checks it: a 400 naming `n`). Choice i of a seeded request samples with `engine.choice_seed(seed, i)`.
 - Fields the engine cannot honour are refused by name, never ignored: best_of > 1,
   echo, suffix, functions / function_call (use tools), modalities other than text, audio, verbosity,
-  web_search_options, tool_choice "required" or a named function with a template whose tool-call format has no
-  grammar here (the app's check),
+  web_search_options, tool_choice "required" or a named function with a template that teaches no tool-call
+  format (the app's check),
   roles other than system/developer/user/assistant/tool, content parts other than text. `ApiError`s
   carry OpenAI's error JSON (`{"error": {"message", "type", "param", "code"}}`) and their HTTP status.
 - Tools: `tools` (functions only) and `tool_choice` "auto" (the default with tools), "none", "required" or a

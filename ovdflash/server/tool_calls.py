@@ -18,10 +18,17 @@ Contract:
 - Whitespace between content and a call, between calls and after the last call is layout, not content;
   `ParsedReply.content` is None when a reply holds calls and nothing else. parallel False: only the first
   call is returned, later ones are dropped.
-- `call_grammar(format, tools) -> str | None`: a Lark grammar (llguidance's syntax, its `%json` for the call)
-  whose only sentences are one call, in `format`'s layout, of one of `tools` (name -> JSON-schema parameters)
-  with arguments valid against that tool's schema, laid out as json.dumps writes it (as templates render
-  calls); what tool_choice "required" or a named function holds the reply to. None for a format with no such grammar here (qwen3_xml). Its reply parses to that call.
+- `call_grammar(format, tools) -> str | None`: a Lark grammar (llguidance's syntax) whose only sentences are
+  one call, in `format`'s layout, of one of `tools` (name -> JSON-schema parameters); what tool_choice
+  "required" or a named function holds the reply to, and its reply parses to that call (None for an unknown
+  format). hermes and llama3_json: the call is `%json`, arguments valid against the tool's schema, laid out
+  as json.dumps writes it (as templates render calls). qwen3_xml: `<function=NAME>` one of the tools, then
+  the schema's properties in the schema's order, each `<parameter=KEY>\nVALUE\n</parameter>\n`, required
+  ones always, the others optional, no others; a value is one of its enum / const members when the schema
+  lists them, free text without `</parameter>` when it may be a string (a string's own constraints, such as
+  pattern, are not held; its minLength / maxLength are), else JSON valid against its schema. Limits: the
+  properties come in the schema's order, only the listed ones (a schema that allows others gets none), and
+  keywords across properties (dependentRequired, if / then) are not held.
 - Streaming holds back only text that may still turn out to be a call: a tail that may be the start of
   `<tool_call>` and whitespace that may precede one (until the next text decides), an open `<tool_call>`
   block (until its `</tool_call>`: each call arrives whole, arguments included), and for llama3_json a
@@ -37,6 +44,7 @@ from typing import Protocol
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+NEWLINE = "\n"
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,8 @@ class ToolCallParser(Protocol):
 
 def call_grammar(tool_format: str, tools: dict[str, dict]) -> str | None:
     """The grammar of one well-formed call of one of `tools` (module contract)."""
+    if tool_format == "qwen3_xml":
+        return _qwen3_xml_grammar(tools)
     arguments_key = {"hermes": "arguments", "llama3_json": "parameters"}.get(tool_format)
     if arguments_key is None:
         return None
@@ -66,12 +76,55 @@ def call_grammar(tool_format: str, tools: dict[str, dict]) -> str | None:
                                                arguments_key: parameters or {"type": "object"}},
               "required": ["name", arguments_key], "additionalProperties": False}
              for name, parameters in tools.items()]
-    # the layout chat templates render calls in (`tojson`, json.dumps' separators), and no other whitespace
-    layout = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
-    call = f"call: %json {json.dumps({'x-guidance': layout, 'anyOf': calls})}"
+    call = f"call: %json {json.dumps({'x-guidance': _JSON_LAYOUT, 'anyOf': calls})}"
     if tool_format == "hermes":
         return f'start: "{OPEN_TAG}\\n" call "\\n{CLOSE_TAG}"\n{call}'
     return f"start: call\n{call}"
+
+
+# JSON laid out as chat templates render it (`tojson`, json.dumps' separators), and no other whitespace
+_JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+
+def _qwen3_xml_grammar(tools: dict[str, dict]) -> str:
+    """`<tool_call>\n<function=NAME>\n` the parameters `</function>\n</tool_call>` (module contract)."""
+    rules, functions = [], []
+    for f, (name, parameters) in enumerate(tools.items()):
+        schema = parameters if isinstance(parameters, dict) else {}
+        required = set(schema.get("required") or ())
+        items = []
+        for p, (key, prop) in enumerate((schema.get("properties") or {}).items()):
+            rule = f"f{f}_p{p}"
+            value, lexeme = _xml_value(prop, rule.upper())
+            opening = json.dumps(f"<parameter={key}>\n")
+            rules += [f"{rule}: {opening} {value} {json.dumps(NEWLINE)}"] + lexeme
+            items.append(rule if key in required else f"{rule}?")
+        functions.append(f"f{f}")
+        opening = json.dumps(f"<function={name}>\n")
+        rules.append(f"f{f}: {opening} {' '.join(items)} \"</function>\"")
+    call_open, call_close = json.dumps(f"{OPEN_TAG}\n"), json.dumps(f"\n{CLOSE_TAG}")
+    return "\n".join([f"start: {call_open} ({' | '.join(functions)}) {call_close}"] + rules)
+
+
+_PARAMETER_END = json.dumps("\n</parameter>")
+
+
+def _xml_value(schema, lexeme_name: str) -> tuple[str, list[str]]:
+    """(one parameter's value followed by `\n</parameter>`, the lexeme rules it needs) (module contract)."""
+    schema = schema if isinstance(schema, dict) else {}
+    members = [schema["const"]] if "const" in schema else schema.get("enum")
+    if members:
+        texts = sorted({m if isinstance(m, str) else json.dumps(m) for m in members})
+        return f"({' | '.join(json.dumps(t) for t in texts)}) {_PARAMETER_END}", []
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else list(types or [])
+    if types and "string" not in types:
+        return f"%json {json.dumps({**schema, 'x-guidance': _JSON_LAYOUT})} {_PARAMETER_END}", []
+    low = int(schema.get("minLength", 0)) if "string" in types else 0
+    high = int(schema["maxLength"]) if "string" in types and "maxLength" in schema else ""
+    # text up to the first `</parameter>`, which must follow a newline; a string's length bounds held
+    return lexeme_name, [f"{lexeme_name}: /(?s:.{{{low},{high}}})\\n<\\/parameter>/ & "
+                         f"~/(?s:.*)<\\/parameter>(?s:.+)/"]
 
 
 def detect_tool_format(chat_template: str | None) -> str | None:
@@ -189,9 +242,15 @@ def _qwen3_xml_calls(body: str, tools: dict[str, dict]) -> list[ToolCall] | None
 
 
 def _parameter_value(raw: str, schema) -> object:
-    """A parameter's text as its schema's type: strings as written, other types read as JSON when they parse."""
+    """A parameter's text as its schema's type: strings as written, other types read as JSON when they parse,
+    an enum's or const's member when the text is one written as call_grammar writes it."""
     value = raw.removeprefix("\n").removesuffix("\n")  # the newlines the format puts around a value
-    types = schema.get("type") if isinstance(schema, dict) else None
+    schema = schema if isinstance(schema, dict) else {}
+    members = [schema["const"]] if "const" in schema else schema.get("enum") or []
+    for member in members:  # an enum's member as written: a string as it is, another value as JSON
+        if value == (member if isinstance(member, str) else json.dumps(member)):
+            return member
+    types = schema.get("type")
     types = [types] if isinstance(types, str) else list(types or [])
     if not types or "string" in types:
         return value

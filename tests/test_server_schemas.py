@@ -1,0 +1,188 @@
+"""Twenty JSON schemas, a regex and a choice through the server with the official `openai` client, under
+DFlash and under AR (`--no-draft`), and forced tool calls on twenty prompts.
+
+Checked on the real tiny pair (strict f32): one server per mode answers the 20 schemas of
+`ovdflash.bench.schemas` (nested objects, arrays, enums, bounded integers and numbers, required and
+optional fields, booleans, nulls, unions, patterns), a regex and a choice; nearly every reply completes
+within its budget and every completed one parses and validates (jsonschema) or matches; the same prompts
+without the schema do not validate (the random model writes no JSON of its own); the DFlash server drafted
+and its replies are the AR server's token for token. tool_choice "required" and a named function on 20
+prompts each give one call, of the right function, whose arguments validate against its parameters schema,
+under a hermes template and under a qwen3_xml one. Slow: the same schema checks on the embedded SmolLM2 pair
+with its trained drafter.
+"""
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from ovdflash.bench.schemas import SCHEMA_TASKS, schema_prompt
+
+jsonschema = pytest.importorskip("jsonschema")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("llguidance")
+
+MAX_TOKENS = 96  # the longest tiny-pair answer takes ~50 tokens
+REGEX = "[A-Z][a-z]{1,6} [0-9]{2}"
+CHOICES = ["sunny", "rainy", "windy", "foggy"]
+
+
+def validates(text: str | None, schema: dict) -> bool:
+    try:
+        jsonschema.validate(json.loads(text or ""), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def answer(client, prompt: str, max_tokens: int, **kwargs) -> SimpleNamespace:
+    reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=max_tokens, temperature=0, logprobs=True, **kwargs)
+    choice = reply.choices[0]
+    return SimpleNamespace(text=choice.message.content, finish=choice.finish_reason,
+                           tokens=[entry.bytes for entry in choice.logprobs.content],
+                           drafts=reply.usage.model_extra["spec_decode"]["num_drafts"])
+
+
+def schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+def answers_of(pipe, draft, prompts: list[str], max_tokens: int, unconstrained: bool) -> SimpleNamespace:
+    """Every schema's, the regex's and the choice's answer from one server over `pipe` (draft False: AR)."""
+    from test_tool_calls import serving
+
+    from ovdflash.server.wiring import build_server_app
+
+    with serving(build_server_app(pipe, ["m"], block_size=4, draft=draft)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+        schemas = [answer(client, prompt, max_tokens, response_format=schema_format(schema))
+                   for prompt, (_, schema) in zip(prompts, SCHEMA_TASKS)]
+        free = [answer(client, prompt, max_tokens) for prompt in prompts] if unconstrained else []
+        regex = answer(client, "A name and a number:", 24, extra_body={"structured_outputs": {"regex": REGEX}})
+        choice = answer(client, "The weather today is", 24, extra_body={"structured_outputs": {"choice": CHOICES}})
+    return SimpleNamespace(schemas=schemas, free=free, regex=regex, choice=choice)
+
+
+def check_schema_answers(got: SimpleNamespace, least_complete: int) -> None:
+    complete = [(a, schema) for a, (_, schema) in zip(got.schemas, SCHEMA_TASKS) if a.finish == "stop"]
+    assert len(complete) >= least_complete, [a.text for a in got.schemas if a.finish != "stop"]
+    for a, schema in complete:
+        assert validates(a.text, schema), (a.text, schema)
+    for a in got.schemas:  # one cut by max_tokens is still the start of a JSON object
+        assert a.finish in ("stop", "length") and a.text.startswith("{")
+    assert got.regex.finish == "stop" and re.fullmatch(REGEX, got.regex.text), got.regex.text
+    assert got.choice.finish == "stop" and got.choice.text in CHOICES, got.choice.text
+
+
+def check_dflash_equals_ar(dflash: SimpleNamespace, ar: SimpleNamespace) -> None:
+    pairs = list(zip(dflash.schemas, ar.schemas)) + [(dflash.regex, ar.regex), (dflash.choice, ar.choice)]
+    for i, (d, a) in enumerate(pairs):
+        assert (d.tokens, d.text, d.finish) == (a.tokens, a.text, a.finish), i
+    assert sum(d.drafts for d, _ in pairs) > 0 and sum(a.drafts for _, a in pairs) == 0
+
+
+# -- the tiny pair -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_answers(tiny_pair, tmp_path_factory):
+    """(DFlash answers, AR answers) of one server each over the same strict-f32 pipeline."""
+    from ovdflash import STRICT_F32, DFlashPipeline
+
+    pipe = DFlashPipeline.from_pretrained(tiny_pair, cache_dir=tmp_path_factory.mktemp("schemas_cache"),
+                                          **STRICT_F32)
+    prompts = [prompt for prompt, _ in SCHEMA_TASKS]  # the schema itself would overflow the tiny context
+    return (answers_of(pipe, None, prompts, MAX_TOKENS, unconstrained=True),
+            answers_of(pipe, False, prompts, MAX_TOKENS, unconstrained=False))
+
+
+def test_twenty_schema_answers_validate_under_dflash_and_ar(tiny_answers):
+    for got in tiny_answers:
+        check_schema_answers(got, least_complete=18)
+
+
+def test_without_the_schema_the_answers_do_not_validate(tiny_answers):
+    dflash, _ = tiny_answers
+    valid = [validates(a.text, schema) for a, (_, schema) in zip(dflash.free, SCHEMA_TASKS)]
+    assert sum(valid) <= 2, [a.text for a in dflash.free]
+
+
+def test_dflash_answers_are_the_ar_answers_token_for_token(tiny_answers):
+    check_dflash_equals_ar(*tiny_answers)
+
+
+# -- forced tool calls on twenty prompts (hermes and qwen3_xml templates on the tiny pair) ---------------------
+def terse_template(call_form: str) -> str:
+    """A chat template that lists each tool as its name and properties and shows `call_form` (the tiny pair's
+    context is 512 tokens: the families' own templates spend it on instructions)."""
+    return ("{%- if tools %}{{- '<|im_start|>system\\n<tools>' }}{%- for tool in tools %}"
+            "{{- '\\n' + tool.function.name + tool.function.parameters.properties | tojson }}{%- endfor %}"
+            "{{- '\\n</tools> " + call_form + "<|im_end|>\\n' }}{%- endif %}"
+            "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content"
+            " + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+            "{%- endif %}")
+
+
+CALL_FORMS = {"hermes": "<tool_call>{", "qwen3_xml": "<tool_call><function="}  # what detect_tool_format reads
+
+
+def tool(name: str, schema: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {
+        k: v for k, v in schema.items() if k != "x-guidance"}}}
+
+
+# short names and small schemas, each value bounded (a random model would write free text for ever)
+TOOLS = [tool("wx", SCHEMA_TASKS[0][1]), tool("pick", SCHEMA_TASKS[1][1]), tool("lvl", SCHEMA_TASKS[2][1])]
+CALL_MAX_TOKENS = 128  # the tiny tokenizer spells the XML form's tags a character a token: ~100 tokens a call
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.fixture(scope="module", params=sorted(CALL_FORMS))
+def tool_client(request, tiny_pair, tmp_path_factory):
+    from test_tool_calls import pair_with_template, serving
+
+    from ovdflash import DFlashPipeline
+    from ovdflash.server.wiring import build_server_app
+
+    model_dir = pair_with_template(tiny_pair, tmp_path_factory.mktemp(request.param) / "pair",
+                                   terse_template(CALL_FORMS[request.param]))
+    pipe = DFlashPipeline.from_pretrained(model_dir, cache_dir=tmp_path_factory.mktemp(f"{request.param}_cache"))
+    app = build_server_app(pipe, ["m"], block_size=4)
+    assert app.state.tool_format == request.param
+    with serving(app) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["required", "named"])
+def test_forced_tool_calls_on_twenty_prompts_name_the_right_function_with_valid_arguments(tool_client, named):
+    for i, (prompt, _) in enumerate(SCHEMA_TASKS):
+        want = TOOLS[i % len(TOOLS)]["function"]["name"]
+        tool_choice = {"type": "function", "function": {"name": want}} if named else "required"
+        reply = tool_client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": prompt}], tools=TOOLS, tool_choice=tool_choice,
+            temperature=0, max_tokens=CALL_MAX_TOKENS)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, (prompt, choice)
+        call = choice.message.tool_calls[0].function
+        assert (call.name == want) if named else (call.name in PARAMETERS), call.name
+        jsonschema.validate(json.loads(call.arguments), PARAMETERS[call.name])
+    unforced = tool_client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+                                                   tools=TOOLS, temperature=0, max_tokens=16)
+    assert not unforced.choices[0].message.tool_calls  # "auto": the random model writes no call of its own
+
+
+# -- the embedded SmolLM2 pair with its trained drafter ----------------------------------------------------------
+@pytest.mark.slow
+def test_twenty_schemas_on_the_embedded_model_validate_and_dflash_equals_ar(tmp_path_factory):
+    from ovdflash_models.default import ensure_default_model
+
+    from ovdflash import STRICT_F32, DFlashPipeline
+
+    pipe = DFlashPipeline.from_pretrained(ensure_default_model(), **STRICT_F32)
+    prompts = [schema_prompt(task) for task in SCHEMA_TASKS]
+    dflash = answers_of(pipe, None, prompts, MAX_TOKENS, unconstrained=False)
+    ar = answers_of(pipe, False, prompts, MAX_TOKENS, unconstrained=False)
+    for got in (dflash, ar):
+        check_schema_answers(got, least_complete=19)
+    check_dflash_equals_ar(dflash, ar)
