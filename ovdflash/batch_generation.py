@@ -1,8 +1,10 @@
 """Text-level continuous batching: requests in, text out, one batched round per `step()`.
 
 Contract:
-- `BatchGeneration(pipeline, max_batch_size=8, pool_blocks=None)` runs `scheduler.Scheduler` on the
-  pipeline's batched paged runner (`DFlashPipeline.batch_target`) and drafter pool. It is the one
+- `BatchGeneration(pipeline, max_batch_size=8, pool_blocks=None, max_num_batched_tokens=None)` runs
+  `scheduler.Scheduler` on the pipeline's batched paged runner (`DFlashPipeline.batch_target`) and
+  drafter pool; `max_num_batched_tokens` is the scheduler's per-round token budget (chunked prefill;
+  None: whole prompts; output unchanged either way). It is the one
   engine behind `DFlashPipeline.generate_batch` and the server's batched scheduler. It does not
   take the pipeline's lock: its owner calls it from one thread (generate_batch holds the lock; the
   server's worker thread owns the pipeline).
@@ -77,9 +79,11 @@ class _Request:
 
 
 class BatchGeneration:
-    def __init__(self, pipeline, max_batch_size: int = 8, pool_blocks: int | None = None):
+    def __init__(self, pipeline, max_batch_size: int = 8, pool_blocks: int | None = None,
+                 max_num_batched_tokens: int | None = None):
         self.pipeline = pipeline
-        self.scheduler = Scheduler(pipeline.batch_target(pool_blocks), pipeline.drafter_pool(), max_batch_size)
+        self.scheduler = Scheduler(pipeline.batch_target(pool_blocks), pipeline.drafter_pool(), max_batch_size,
+                                   max_num_batched_tokens=max_num_batched_tokens)
         self.requests: dict[Hashable, _Request] = {}
 
     @property
@@ -218,14 +222,17 @@ def generate_batch(pipe, prompts, max_new_tokens: int = 256, temperature: float 
                    max_batch_size: int = 8, pool_blocks: int | None = None,
                    prefix_cache: bool | None = None, presence_penalty: float = 0.0,
                    frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, logit_bias=None,
-                   logprobs: int | None = None, structured=None) -> list[GenerationResult]:
+                   logprobs: int | None = None, structured=None,
+                   max_num_batched_tokens: int | None = None) -> list[GenerationResult]:
     """`generate` for every prompt, verified together: one target inference per round for all
     running sequences (continuous batching, at most max_batch_size at once; batch_generation).
     Each result equals that prompt's `generate` alone with the same arguments (greedy exactly;
     sampled with the same seed, the same draws). block_size="auto": each round's drafts are
     chosen for the whole batch from its cost curve (`batch_draft_policy`). With prefix caching
     (None: the pipeline's `prefix_cache`), a prompt starting with full KV blocks that an earlier
-    or concurrent sequence computed (a shared system prompt) prefills only the rest."""
+    or concurrent sequence computed (a shared system prompt) prefills only the rest.
+    max_num_batched_tokens: each round's token budget; a longer prompt prefills over several rounds
+    beside the others' verifies (chunked prefill; None: whole prompts)."""
     if isinstance(prompts, (str, dict)) or not hasattr(prompts, "__iter__"):
         raise TypeError("prompts must be a list of prompts (strings, message lists or token-id lists)")
     prompts = list(prompts)
@@ -233,7 +240,7 @@ def generate_batch(pipe, prompts, max_new_tokens: int = 256, temperature: float 
                              repetition_penalty, logit_bias, logprobs)
     encoded = [pipe.encode_prompt(p, apply_chat_template) for p in prompts]
     with pipe._lock.hold():
-        batch = BatchGeneration(pipe, max_batch_size, pool_blocks)
+        batch = BatchGeneration(pipe, max_batch_size, pool_blocks, max_num_batched_tokens)
         try:
             results = [batch.add(i, ids, max_new_tokens, params, stop, block_size, draft, prompt_lookup,
                                  prefix_cache, structured) for i, ids in enumerate(encoded)]

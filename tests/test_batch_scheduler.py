@@ -263,3 +263,72 @@ def test_load_aware_sequences_held_at_ar_verify_lookup_drafts_in_free_room():
     assert sum(s.num_lookup_drafts for s in steep) < sum(s.num_lookup_drafts for s in flat) / 2
     policy = BatchDraftPolicy([1, 4, 8], [0.02, 0.02, 0.04], [0.0, 0.001])
     assert policy.free_tokens(1) == 3 and policy.free_tokens(4) == 0 and policy.free_tokens(2) == 2
+
+
+# -- chunked prefill: a per-round token budget ------------------------------------------------------
+@pytest.mark.parametrize("budget", [1, 5, 23])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_token_budget_chunks_prefills_and_every_sequence_still_equals_its_run_alone(budget, sampled):
+    """Prompts of up to 60 tokens prefill over many rounds; the mock drafter checks it gets exactly the
+    committed tokens' features, so every chunk's features reach its context."""
+    rng = np.random.default_rng(budget + 10 * sampled)
+    target = MockBatchTarget()
+    scheduler = Scheduler(target, MockDrafterSource(target), max_batch_size=4, max_num_batched_tokens=budget)
+    reqs = random_requests(rng, 8, sampled)
+    reqs = [(rid, prompt * 2, *rest) for rid, prompt, *rest in reqs]  # longer prompts: more chunks
+    events = drain(scheduler, {0: reqs[:5], 4: reqs[5:]})
+    for rid, prompt, max_new, params, block, lookup, eos in reqs:
+        assert events[rid] == alone(prompt, max_new, block, params, eos, lookup), rid
+    assert scheduler.num_steps > max(len(r[1]) for r in reqs) // max(budget, 16)  # prefills took several rounds
+    assert not target.seqs and not scheduler.running
+
+
+def test_a_long_prefill_blocks_neither_new_requests_nor_running_sequences():
+    """With a 16-token budget a 400-token prompt prefills over 25+ rounds: a short request arriving in
+    the middle gets its first token one round after it joins, and a running sequence gets at least
+    one token every round of the long prefill."""
+    target = MockBatchTarget()
+    scheduler = Scheduler(target, MockDrafterSource(target), max_batch_size=4, max_num_batched_tokens=16)
+    long_prompt = (np.arange(400) % VOCAB).tolist()
+    scheduler.add("running", [1, 2, 3], 200, SamplingParams(), 4, False, ())
+    scheduler.step()  # its prefill
+    scheduler.add("long", long_prompt, 5, SamplingParams(), 4, False, ())
+    rounds, per_round, events = {}, [], {}
+    for step in range(40):
+        if step == 6:
+            scheduler.add("short", [7, 8, 9, 10, 11], 5, SamplingParams(), 4, False, ())
+        got = dict(scheduler.step())
+        per_round.append(got)
+        for rid, evs in got.items():
+            rounds.setdefault(rid, step)
+            events.setdefault(rid, []).extend(evs)
+    assert rounds["short"] == 6  # the round it was added in, not after the long prompt's prefill
+    assert rounds["long"] > 20
+    assert all(len(got.get("running", [])) >= 1 for got in per_round[:rounds["long"] + 1])
+    assert max(target.batch_sizes) == 3
+    for rid, evs in drain(scheduler).items():
+        events[rid].extend(evs)
+    assert events["long"] == alone(long_prompt, 5, 4) and events["short"] == alone([7, 8, 9, 10, 11], 5, 4)
+
+
+def test_load_aware_drafts_with_a_token_budget_equal_ar():
+    from ovdflash.decode.block_policy import BatchDraftPolicy
+
+    target = MockBatchTarget()
+    policy = BatchDraftPolicy(list(range(1, 65)), [0.020 + 0.0002 * t for t in range(1, 65)], [0.0] + [0.0005] * 7)
+    scheduler = Scheduler(target, MockDrafterSource(target), max_batch_size=3, draft_policy=policy,
+                          max_num_batched_tokens=12)
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, VOCAB, size=n).tolist() for n in (40, 3, 25, 60, 9)]
+    for i, p in enumerate(prompts):
+        scheduler.add(i, p, 20, SamplingParams(), 8, i % 2 == 0, (), load_aware=True)
+    events = drain(scheduler)
+    for i, p in enumerate(prompts):
+        assert [e.token for e in events[i]] == [e.token for e in alone(p, 20, 1)], i
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "256"])
+def test_a_bad_token_budget_is_a_one_line_error(bad):
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be an integer >= 1") as info:
+        Scheduler(MockBatchTarget(), max_num_batched_tokens=bad)
+    assert "\n" not in str(info.value)

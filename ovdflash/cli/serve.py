@@ -11,7 +11,8 @@ default 8 with the paged target runner, 1 with the others), `--kv-cache-memory-b
 KV block pool limit, cached prefix features included; default: one full-context sequence shared by
 the batch, at most a quarter of the memory available; the start-up lines say how many tokens the
 pool holds and in which precision), `--enable-prefix-caching/--no-enable-prefix-caching`,
-`--max-queue`, `--max-model-len`, `--max-request-bytes`. With batching, `--block-size` defaults to
+`--max-queue`, `--max-model-len`, `--max-request-bytes`, `--max-num-batched-tokens` (each
+batched round's token budget: chunked prefill, scheduler contract; default: whole prompts). With batching, `--block-size` defaults to
 "auto". `--replicas N` serves the same app on N Ray Serve replicas (ovdflash.server.ray_app; the
 `ray` extra). The wiring is `ovdflash.server.wiring`; bad options are one-line errors before the
 model loads where they can be. A start-up line names the tool-call format the chat template teaches
@@ -50,6 +51,9 @@ from .options import WIDE_TARGET_OPTION, compile_options
 @click.option("--max-num-seqs", type=click.IntRange(1), default=None,
               help="Sequences generating at once, verified in one target call per round (paged runner; "
                    "default 8, or 1 with another runner); 1: one request at a time.")
+@click.option("--max-num-batched-tokens", type=click.IntRange(1), default=None,
+              help="Tokens per batched round (chunked prefill): verifies first, prompts in chunks with the rest, "
+                   "so a long prompt holds up neither new requests nor running ones. Default: whole prompts.")
 @click.option("--kv-cache-memory-bytes", default=None, metavar="SIZE",
               help="KV block pool limit for batching, e.g. 4G (default: one full context shared by the batch, "
                    "at most a quarter of the available memory).")
@@ -80,7 +84,7 @@ from .options import WIDE_TARGET_OPTION, compile_options
               help="With --replicas: an existing Ray cluster ('auto' or HEAD:6379); "
                    "default: a local instance on loopback.")
 def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_size, no_draft, prompt_lookup,
-          max_num_seqs, kv_cache_memory_bytes, enable_prefix_caching, max_queue, max_model_len, max_request_bytes,
+          max_num_seqs, max_num_batched_tokens, kv_cache_memory_bytes, enable_prefix_caching, max_queue, max_model_len, max_request_bytes,
           shutdown_timeout, device, cache_dir, config, target_runner, precision, wide_target, log_level, replicas,
           num_cpus_per_replica, ray_address):
     """Serve MODEL_DIR (default: SmolLM2-135M + shipped drafter) as an OpenAI-compatible API."""
@@ -111,7 +115,8 @@ def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_s
                              config, block_size, enable_prefix_caching, wide_target)
         names = list(served_model_name) or [Path(pipe.model_dir).name]
         app = build_server_app(pipe, names, block_size, False if no_draft else None, max_num_seqs, max_queue,
-                               max_model_len, api_key, max_request_bytes, kv_cache_memory_bytes)
+                               max_model_len, api_key, max_request_bytes, kv_cache_memory_bytes,
+                               max_num_batched_tokens)
     except ImportError as exc:
         raise click.ClickException(f"the server needs its extra: pip install 'ovdflash[serve]' ({exc})") from exc
     except (ValueError, FileNotFoundError, RuntimeError) as exc:

@@ -11,7 +11,8 @@ Contract:
   features, and records the kept ids and features at every commit; one without ignores them.
   Such a sequence prefills only the rest of its prompt (`stats.num_cached_prompt_tokens`), and its
   drafter's context is the cached features followed by the prefill's, as a full prefill gives.
-- `Scheduler(target, drafters=None, max_batch_size=8, draft_policy=None)`: `drafters` hands out one
+- `Scheduler(target, drafters=None, max_batch_size=8, draft_policy=None, max_num_batched_tokens=None)`:
+  `drafters` hands out one
   `round.DrafterRunner` per sequence (`take()`, `give(d)`; paged_batch.DrafterPool) or is None
   (AR only). `add(request_id, prompt_ids, max_new_tokens, params, block_size, prompt_lookup, eos,
   load_aware=False, reuse_prefix=True, grammar=None)` queues a request (`grammar`: a fresh
@@ -21,7 +22,7 @@ Contract:
   token is `round.PromptTooLongError`, a request larger than the whole pool a ValueError, both at add.
 - `step()` runs one round for every running sequence: new ones prefill, the others verify
   `[last, drafts...]` (drafter proposals, n-gram lookup drafts, or none = an AR step), all in one
-  target call; each sequence's round is its `round.SequenceState`'s, as in `sequence.generate`
+  target call (a prefilling sequence the round's token budget leaves out sits the round out); each sequence's round is its `round.SequenceState`'s, as in `sequence.generate`
   (drafts, acceptance with its own SamplingParams and per-position randomness, stop rules), and
   it keeps only its accepted slots. It returns [(request_id, [TokenEvent, ...])] for the round: the
   same events, token for token, that `sequence.generate` yields for that request alone (greedy, or
@@ -33,6 +34,16 @@ Contract:
   the batch's cost curve and each sequence's acceptance; a sequence it holds at AR still verifies
   its n-gram lookup drafts where the call has free room (`free_tokens`). Either way output is
   unchanged.
+- Chunked prefill: `max_num_batched_tokens` (None: a prompt prefills whole in its first round) is
+  each round's token budget. The verifying sequences are scheduled first and never cut; the
+  prefilling ones share the rest (at least `min(budget, MIN_PREFILL_CHUNK)`, so a prefill moves
+  on when verifies fill the budget), fewest remaining prompt tokens first (arrival order between
+  equals), so a short prompt is not held behind a long one. A prompt longer than its share
+  prefills over several rounds: each chunk's KV is committed (and joins the prefix cache), its
+  features kept, and only the last chunk's final logits row is sampled, with the drafter's context
+  the cached features and every chunk's, as one full prefill gives them; a round that ends no
+  prefill gives that sequence no events. Output is unchanged by the budget. The load-aware
+  policy's fixed tokens count each prefill's chunk, not its whole prompt.
 - `abort(request_id)` drops a waiting or running request (True if it was there); `has_work()`.
 - Timing stats: the shared target call is counted in full in every sequence's verify_s.
 """
@@ -50,6 +61,9 @@ from .round import NO_DRAFTS, DrafterRunner, SequenceState, TokenEvent, check_co
 from .sampling import SamplingParams
 from .stats import GenerationStats
 from .structured import GrammarState
+
+# the smallest prefill share of a round whose verifies fill the budget (tokens)
+MIN_PREFILL_CHUNK = 16
 
 
 class BatchTarget(Protocol):
@@ -83,15 +97,18 @@ class _Sequence:
     reuse_prefix: bool = True
     prefilled: bool = False
     num_cached: int = 0  # prompt tokens whose KV the pool's prefix cache gave
+    num_prefilled: int = 0  # prompt tokens with committed KV (cached ones included)
+    prefill_feats: list = field(default_factory=list)  # target features of the committed prompt, chunk by chunk
     drafts: np.ndarray = field(default_factory=lambda: NO_DRAFTS)  # this round's
     from_lookup: bool = False
 
 
 class Scheduler:
     def __init__(self, target: BatchTarget, drafters: DrafterSource | None = None, max_batch_size: int = 8,
-                 draft_policy=None):
+                 draft_policy=None, max_num_batched_tokens: int | None = None):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        self.max_num_batched_tokens = check_token_budget(max_num_batched_tokens)
         self.target = target
         self.drafters = drafters
         self.max_batch_size = max_batch_size
@@ -151,7 +168,7 @@ class Scheduler:
             if not self.target.reserve(seq.request_id, need, seq.prompt if seq.reuse_prefix else None):
                 return  # FIFO: the head waits for blocks, nobody overtakes it
             self.waiting.popleft()
-            seq.num_cached = self.target.committed(seq.request_id)
+            seq.num_cached = seq.num_prefilled = self.target.committed(seq.request_id)
             state = seq.state
             if state.block_size > 1:
                 state.drafter = self.drafters.take()
@@ -178,7 +195,11 @@ class Scheduler:
             return []
         seqs = list(self.running.values())
         chosen = self._load_aware_drafts(seqs)
-        batch = [self._batch_entry(seq, chosen.get(seq.request_id)) for seq in seqs]
+        verifies = {seq.request_id: self._verify_entry(seq, chosen.get(seq.request_id)) for seq in seqs if seq.prefilled}
+        chunks = self._prefill_chunks(seqs, sum(len(ids) for _, ids, _ in verifies.values()))
+        seqs = [seq for seq in seqs if seq.request_id in verifies or seq.request_id in chunks]
+        batch = [verifies[seq.request_id] if seq.prefilled else self._chunk_entry(seq, chunks[seq.request_id])
+                 for seq in seqs]
         t_call = time.perf_counter()
         outputs = self.target.forward(batch)
         call_s = time.perf_counter() - t_call
@@ -186,28 +207,51 @@ class Scheduler:
         num_tokens = sum(len(ids) for _, ids, _ in batch)
         self.num_batched_tokens += num_tokens
         self.num_batched_sequences += len(batch)
-        if chosen and all(seq.prefilled for seq in seqs):  # a prefill's cost is not a verify's
+        if chosen and not chunks:  # a prefill's cost is not a verify's
             self.draft_policy.observe_call(num_tokens, call_s)
         events = []
         for seq, (_, ids, _), (logits, feats) in zip(seqs, batch, outputs):
-            accepted = self._verified(seq, ids, logits, feats, call_s) if seq.prefilled else \
-                self._prefilled(seq, ids, logits, feats, call_s)
+            if seq.prefilled:
+                accepted = self._verified(seq, ids, logits, feats, call_s)
+            elif not self._prefilled(seq, ids, logits, feats, call_s):
+                continue  # a chunk short of the prompt's end: nothing to sample yet
+            else:
+                accepted = []
             context_full = self.target.committed(seq.request_id) >= self.target.max_length - 1
             events.append((seq.request_id, list(seq.state.events(accepted, context_full))))
             if seq.state.done:
                 self._finish(seq)
         return events
 
-    def _batch_entry(self, seq: _Sequence, num_drafts: int | None) -> tuple:
-        """(seq_id, token ids, logit rows) for this round's call: the prompt's rest, or `[last, *drafts]`
-        with at most num_drafts drafts when the batch policy chose them."""
-        if not seq.prefilled:
-            return seq.request_id, seq.prompt[seq.num_cached:], [len(seq.prompt) - seq.num_cached - 1]
+    def _verify_entry(self, seq: _Sequence, num_drafts: int | None) -> tuple:
+        """(seq_id, `[last, *drafts]`, logit rows) for this round's call, with at most num_drafts drafts
+        when the batch policy chose them."""
         t0 = time.perf_counter()
         max_drafts = self._room(seq) - 1 if num_drafts is None else num_drafts
         seq.drafts, seq.from_lookup = seq.state.choose_drafts(self.target.committed(seq.request_id), max_drafts)
         seq.state.stats.draft_s += time.perf_counter() - t0
         return seq.request_id, verify_ids(seq.state.last, seq.drafts), np.arange(len(seq.drafts) + 1)
+
+    @staticmethod
+    def _chunk_entry(seq: _Sequence, num_tokens: int) -> tuple:
+        """(seq_id, the prompt's next num_tokens, the chunk's last row): only the prompt's last row is sampled."""
+        return seq.request_id, seq.prompt[seq.num_prefilled:seq.num_prefilled + num_tokens], [num_tokens - 1]
+
+    def _prefill_chunks(self, seqs: list[_Sequence], num_verify_tokens: int) -> dict:
+        """request id -> prompt tokens each prefilling sequence sends this round (module doc: the budget)."""
+        prefilling = [seq for seq in seqs if not seq.prefilled]
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            return {seq.request_id: len(seq.prompt) - seq.num_prefilled for seq in prefilling}
+        share = max(budget - num_verify_tokens, min(budget, MIN_PREFILL_CHUNK))
+        chunks = {}
+        for seq in sorted(prefilling, key=lambda s: len(s.prompt) - s.num_prefilled):  # stable: arrival order
+            num = min(len(seq.prompt) - seq.num_prefilled, share)
+            if num < 1:
+                break
+            chunks[seq.request_id] = num
+            share -= num
+        return chunks
 
     def _room(self, seq: _Sequence) -> int:
         return seq.state.room(self.target.committed(seq.request_id), self.target.max_length)
@@ -217,8 +261,9 @@ class Scheduler:
         aware = [s for s in seqs if s.prefilled and s.policy_state is not None]
         if not aware:
             return {}
-        fixed = sum(len(s.prompt) - s.num_cached if not s.prefilled else self._room(s)
-                    for s in seqs if s.policy_state is None or not s.prefilled)
+        verify = sum(self._room(s) for s in seqs if s.prefilled and s.policy_state is None)
+        # the prefills' chunks as they would be with every load-aware sequence at an AR step
+        fixed = verify + sum(self._prefill_chunks(seqs, verify + len(aware)).values())
         caps = [self._room(s) - 1 for s in aware]
         ks = self.draft_policy.choose([s.policy_state for s in aware], caps, fixed)
         chosen = {s.request_id: k for s, k in zip(aware, ks)}
@@ -232,14 +277,21 @@ class Scheduler:
                 free -= len(proposal)
         return chosen
 
-    def _prefilled(self, seq: _Sequence, ids: np.ndarray, logits, feats, call_s: float) -> list[int]:
+    def _prefilled(self, seq: _Sequence, ids: np.ndarray, logits, feats, call_s: float) -> bool:
+        """Commit a prompt chunk; at the prompt's end, begin the sequence's round state (True)."""
         self.target.commit(seq.request_id, len(ids), ids, feats)
-        cached = self.target.cached_features(seq.request_id) if seq.num_cached else None
-        seq.state.begin(seq.prompt, logits[-1], feats, cached)
-        seq.prefilled = True
+        seq.num_prefilled += len(ids)
         seq.state.stats.prefill_s += call_s
+        if seq.num_prefilled < len(seq.prompt):
+            seq.prefill_feats.append(np.array(feats))  # the target's outputs are views valid until its next call
+            return False
+        cached = self.target.cached_features(seq.request_id) if seq.num_cached else None
+        earlier = ([] if cached is None else [cached]) + seq.prefill_feats
+        seq.state.begin(seq.prompt, logits[-1], feats, np.concatenate(earlier) if earlier else None)
+        seq.prefill_feats = []
+        seq.prefilled = True
         seq.state.stats.ttft_s += time.perf_counter() - seq.t_added
-        return []
+        return True
 
     def _verified(self, seq: _Sequence, ids: np.ndarray, logits, feats, call_s: float) -> list[int]:
         start = self.target.committed(seq.request_id)  # `last` sits at position start
@@ -250,3 +302,12 @@ class Scheduler:
             self.draft_policy.observe(seq.policy_state, len(seq.drafts), len(accepted))
         seq.state.stats.verify_s += call_s
         return accepted
+
+
+def check_token_budget(max_num_batched_tokens) -> int | None:
+    """A round's token budget: None (prefills whole) or an integer >= 1; else a one-line ValueError."""
+    value = max_num_batched_tokens
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+        raise ValueError(f"max_num_batched_tokens must be an integer >= 1 (or None: prefill whole prompts), "
+                         f"got {value!r}")
+    return None if value is None else int(value)

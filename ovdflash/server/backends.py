@@ -6,7 +6,7 @@ Contract:
   request within a round. The pipeline has one target KV cache, so a second sequence cannot start
   before the first ends: a request waits for the ones before it (docs/SERVING.md). The text equals
   `DFlashPipeline.generate` for the same prompt and settings, because it is the same code.
-- `BatchedBackend(pipeline, block_size, draft, max_num_seqs, pool_blocks)` runs up to
+- `BatchedBackend(pipeline, block_size, draft, max_num_seqs, pool_blocks, max_num_batched_tokens)` runs up to
   max_num_seqs requests at once, joining and leaving between rounds, every round ONE target call
   for all of them (ovdflash.batch_generation over the batch scheduler and the paged runner's block
   pool). block_size None or "auto": the load-aware policy chooses each round's drafts for the
@@ -131,13 +131,13 @@ class BatchedBackend:
     """Continuous batching behind the server (see the module contract)."""
 
     def __init__(self, pipeline, block_size: int | str | None = None, draft: bool | None = None,
-                 max_num_seqs: int = 8, pool_blocks: int | None = None):
+                 max_num_seqs: int = 8, pool_blocks: int | None = None, max_num_batched_tokens: int | None = None):
         from ..batch_generation import BatchGeneration
 
         self.pipeline = pipeline
         self.block_size = "auto" if block_size is None and pipeline.drafter is not None else block_size
         self.draft = draft
-        self.batch = BatchGeneration(pipeline, max_num_seqs, pool_blocks)
+        self.batch = BatchGeneration(pipeline, max_num_seqs, pool_blocks, max_num_batched_tokens)
         if self.block_size == "auto" and draft is not False:  # measure the cost curve now, not at a request
             pipeline.batch_draft_policy(max_num_seqs)
         self.failed: list[RequestOutput] = []  # requests refused at add, answered at the next step
