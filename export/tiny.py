@@ -11,6 +11,10 @@
   drafter built with z-lab's own ``dflash.model.DFlash2DraftModel`` (the test-only reference package),
   every parameter random (convolution kernels, codebooks and norms too, which HF starts at constants),
   with ``TINY_DFLASH2`` settings unless ``dflash2=`` names others; saved in z-lab's checkpoint layout.
+  ``kind="dspark"``: a DSpark drafter in DeepSpec's ``Qwen3DSparkModel`` layout (the config's ``block_size``
+  counts the drafts, one less than ``block_size`` here, which is ovdflash's block as for the other kinds):
+  the random DFlash backbone, ``embed_tokens`` and ``lm_head`` copied from the target as DeepSpec saves them,
+  and random Markov and confidence heads with ``TINY_DSPARK`` settings unless ``dspark=`` names others.
 """
 from __future__ import annotations
 
@@ -159,11 +163,15 @@ TINY_DFLASH2 = dict(conv_kernel_size=3, conv_group_size=16, selector_rank=8, sel
                     output_multiplier=0.9, final_logit_softcapping=3.0, input_embedding_scale=1.3)
 
 
+# DSpark settings of the tiny drafters: both heads, the confidence head reading the Markov embedding too
+TINY_DSPARK = dict(markov_rank=8, markov_head_type="vanilla", confidence_head=True, confidence_with_markov=True)
+
+
 def make_tiny_drafter(target_dir, out_dir, num_layers: int = 1, block_size: int = 4, target_layer_ids=None,
                       mask_token_id=None, seed: int = 0, kind: str = "dflash", dflash2: dict | None = None,
-                      **overrides) -> Path:
+                      dspark: dict | None = None, **overrides) -> Path:
     """Build and save a random z-lab format drafter for the target in target_dir; returns out_dir."""
-    from .drafter import DFlash2Settings, DrafterConfig, build_target_layer_ids, random_drafter
+    from .drafter import DFlash2Settings, DrafterConfig, DSparkSettings, build_target_layer_ids, random_drafter
 
     t = json.loads((Path(target_dir) / "config.json").read_text())
     n_target = int(t["num_hidden_layers"])
@@ -189,8 +197,11 @@ def make_tiny_drafter(target_dir, out_dir, num_layers: int = 1, block_size: int 
     if kind == "dflash2":
         settings = DFlash2Settings(**{**TINY_DFLASH2, **(dflash2 or {})})
         return _save_reference_dflash2(DrafterConfig(**fields, kind=kind, dflash2=settings), out_dir, seed)
+    if kind == "dspark":
+        settings = DSparkSettings(**{**TINY_DSPARK, **(dspark or {})})
+        return _save_dspark(DrafterConfig(**fields, kind=kind, dspark=settings), target_dir, out_dir, seed)
     if kind != "dflash":
-        raise ValueError(f"kind must be 'dflash' or 'dflash2', got {kind!r}")
+        raise ValueError(f"kind must be 'dflash', 'dflash2' or 'dspark', got {kind!r}")
     cfg = DrafterConfig(**fields)
     model = random_drafter(cfg, seed=seed)
     # a random drafter with std 0.02 is nearly constant; a larger scale exercises the numerics
@@ -232,5 +243,36 @@ def _save_reference_dflash2(cfg, out_dir, seed: int) -> Path:
     # the codebooks under z-lab's bare names, which its from_pretrained maps onto nn.Embedding.weight
     state = {k.removesuffix(".weight") if k.removesuffix(".weight") in CODEBOOKS else k: v.contiguous()
              for k, v in state.items()}
+    save_file(state, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+    return out_dir
+
+
+def _save_dspark(cfg, target_dir, out_dir, seed: int) -> Path:
+    """A random DSpark checkpoint as DeepSpec's save_pretrained writes it (config via DrafterConfig.to_dict)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from .drafter import CONFIG_NAME, WEIGHTS_NAME, random_drafter
+    from .dspark import CONFIDENCE_B, CONFIDENCE_W, MARKOV_W1, MARKOV_W2
+
+    backbone = random_drafter(cfg, seed=seed).init_weights(seed, std=0.08)
+    state = {k: v.contiguous() for k, v in backbone.state_dict().items()}
+    target = load_file(str(Path(target_dir) / "model.safetensors"))
+    embed = target["model.embed_tokens.weight"]
+    # copies: a tied target's head is its embedding, and safetensors refuses tensors sharing memory
+    state["embed_tokens.weight"] = embed.to(torch.float32, copy=True).contiguous()
+    state["lm_head.weight"] = target.get("lm_head.weight", embed).to(torch.float32, copy=True).contiguous()
+    s, gen = cfg.dspark, torch.Generator().manual_seed(seed)
+    if s.markov_rank:
+        state[MARKOV_W1] = torch.randn(cfg.vocab_size, s.markov_rank, generator=gen)
+        # a bias smaller than the logits' spread: it changes some greedy choices, not all
+        state[MARKOV_W2] = torch.randn(cfg.vocab_size, s.markov_rank, generator=gen) * 0.05
+    if s.confidence_head:
+        width = cfg.hidden_size + (s.markov_rank if s.confidence_with_markov else 0)
+        state[CONFIDENCE_W] = torch.randn(1, width, generator=gen)
+        state[CONFIDENCE_B] = torch.randn(1, generator=gen)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / CONFIG_NAME).write_text(json.dumps({**cfg.to_dict(), "torch_dtype": "float32"}, indent=2) + "\n")
     save_file(state, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
     return out_dir

@@ -1,11 +1,12 @@
 """DSpark drafters: export, proposals equal to a torch reference, lossless decoding, config errors.
 
-A tiny random DSpark checkpoint in DeepSpec's layout (config fields and safetensors names as its
-`save_pretrained` writes them; every head random, none zero) is exported with the default tiny qwen3
-target and run under STRICT_F32. The reference below applies DeepSpec's math in torch: the DFlash
-backbone (ovdflash_export.drafter, checked against z-lab's model elsewhere) on `[anchor, mask*(n-1)]`,
-slot i predicting the token i + 1 after the anchor, the target head plus the Markov bias
-`W2 @ W1[previous]`, greedy slot by slot, and the confidence head on `[h_i; W1[previous]]`.
+A tiny random DSpark checkpoint in DeepSpec's layout (`ovdflash_export.tiny.make_tiny_drafter(kind=
+"dspark")`: config fields and safetensors names as its `save_pretrained` writes them; every head random,
+none zero) is exported with the default tiny qwen3 target and run under STRICT_F32. The reference below
+applies DeepSpec's math in torch: the DFlash backbone (ovdflash_export.drafter, checked against z-lab's
+model elsewhere) on `[anchor, mask*(n-1)]`, slot i predicting the token i + 1 after the anchor, the
+target head plus the Markov bias `W2 @ W1[previous]`, greedy slot by slot, and the confidence head on
+`[h_i; W1[previous]]`.
 """
 import json
 
@@ -24,35 +25,14 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def sources(tiny_sources, tmp_path_factory):
-    from safetensors.torch import load_file, save_file
-
-    from ovdflash_export.drafter import DrafterConfig, random_drafter
+    from ovdflash_export.tiny import make_tiny_drafter
 
     target, _ = tiny_sources()
-    dflash = tiny_sources(block_size=TRAINED_BLOCK, seed=4)[1]
-    cfg = DrafterConfig.from_dict(json.loads((dflash / "config.json").read_text()))
-    gen = torch.Generator().manual_seed(11)
-    backbone = random_drafter(cfg, seed=5).init_weights(5, std=0.08)
-    state = {k: v.contiguous() for k, v in backbone.state_dict().items()}
-    tstate = load_file(str(target / "model.safetensors"))
-    vocab, hidden = cfg.vocab_size, cfg.hidden_size
-    state["embed_tokens.weight"] = tstate["model.embed_tokens.weight"].float().contiguous()
-    state["lm_head.weight"] = tstate.get("lm_head.weight", tstate["model.embed_tokens.weight"]).float().contiguous()
-    state["markov_head.markov_w1.weight"] = torch.randn(vocab, RANK, generator=gen)
-    state["markov_head.markov_w2.weight"] = torch.randn(vocab, RANK, generator=gen) * 0.05
-    state["confidence_head.proj.weight"] = torch.randn(1, hidden + RANK, generator=gen)
-    state["confidence_head.proj.bias"] = torch.randn(1, generator=gen)
-    out = tmp_path_factory.mktemp("dspark") / "drafter"
-    out.mkdir()
-    config = json.loads((dflash / "config.json").read_text())
-    dflash_config = config.pop("dflash_config")
-    config.update(architectures=["Qwen3DSparkModel"], block_size=TRAINED_BLOCK, num_anchors=512,
-                  target_layer_ids=dflash_config["target_layer_ids"], mask_token_id=dflash_config["mask_token_id"],
-                  markov_rank=RANK, markov_head_type="vanilla", enable_confidence_head=True,
-                  confidence_head_with_markov=True, layer_types=["full_attention"] * cfg.num_hidden_layers)
-    (out / "config.json").write_text(json.dumps(config))
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return target, out
+    # DeepSpec's config carries fields the export ignores (num_anchors) or checks (layer_types)
+    drafter = make_tiny_drafter(target, tmp_path_factory.mktemp("dspark") / "drafter", block_size=TRAINED_BLOCK + 1,
+                                target_layer_ids=[1, 2], seed=5, kind="dspark", dspark=dict(markov_rank=RANK),
+                                extra=dict(num_anchors=512, layer_types=["full_attention"]))
+    return target, drafter
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ Contract:
   (this pipeline, no drafter), `oracle@B` (a perfect drafter at the real drafter's cost: the
   runtime's ceiling), `genai-ar` (openvino.genai LLMPipeline), `genai-dflash@B` (openvino.genai's
   DFlash on the same target and drafter IRs), `genai-pl` (openvino.genai prompt lookup). genai
-  modes are skipped with a note when openvino_genai is not installed.
+  modes are skipped with a note when openvino_genai is not installed, genai-dflash also when the
+  drafter is not a DFlash 1 drafter (manifest `drafter.kind`, recorded in `settings.drafter_kind`).
 - Every mode gets the same token ids (chat template applied once, here), the same compile
   properties and the same EOS ids. Runs are interleaved: for each repetition, for each prompt,
   every mode once, in an order rotated per repetition, so drift in machine load hits all modes

@@ -34,8 +34,9 @@ Contract:
   `agreement`: per C and mode, the fraction of requests whose tokens equal batch-ar's.
 - `run_concurrency_bench(model_dir, ...)` loads the pipeline (and genai's pipeline) and the prompt
   sets as `ovdflash bench` does; `concurrency_command(...)` is the CLI's branch: it writes
-  `OUT/bench_concurrency.json` (+ `settings`, `host` = `ovdflash.ov.host.collect()`) and
-  `OUT/bench_concurrency.png` (aggregate tok/s against C) and prints the tables.
+  `OUT/bench_concurrency.json` (+ `settings` with the drafter's kind, `host` =
+  `ovdflash.ov.host.collect()`) and `OUT/bench_concurrency.png` (aggregate tok/s against C) and
+  prints the tables.
 """
 from __future__ import annotations
 
@@ -450,7 +451,7 @@ def run_concurrency_bench(model_dir: Path, concurrency: list[int], prompt_sets: 
                           target_runner: str | None = None, wide_target: bool | None = None) -> dict:
     """Loads the pipeline, prompts and genai's pipeline as `ovdflash bench` does, then `run_concurrency`.
     `block_sizes=None`: the manifest's default block size."""
-    from ..manifest import load_manifest
+    from ..manifest import drafter_kind, load_manifest
     from ..ov.precision import compile_config
     from .prompts import encode_prompts
 
@@ -475,6 +476,7 @@ def run_concurrency_bench(model_dir: Path, concurrency: list[int], prompt_sets: 
     result = run_concurrency(pipe, prompts, concurrency, max_new_tokens, modes, block_sizes, repetitions, warmup,
                              genai_cb, notes, progress)
     result["target_runner"] = pipe.target.kind
+    result["drafter_kind"] = drafter_kind(manifest) if pipe.drafter is not None else None
     result["block_sizes"] = block_sizes
     return result
 
@@ -517,6 +519,8 @@ def render_concurrency(result: dict, console) -> None:
     if result.get("agreement"):
         console.print("token agreement with batch-ar: " + "; ".join(
             f"{name} " + " ".join(f"C={c} {v:.0%}" for c, v in per.items()) for name, per in result["agreement"].items()))
+    if result.get("settings", {}).get("drafter_kind"):
+        console.print(f"drafter kind: {result['settings']['drafter_kind']}")
     if result.get("host"):
         console.print(host_line(result["host"]))
 
@@ -564,7 +568,8 @@ def concurrency_command(model_dir: Path, concurrency: list[int], prompt_sets: li
     result["settings"] = dict(model_dir=str(model_dir), concurrency=concurrency, prompt_sets=prompt_sets,
                               num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                               block_sizes=result.pop("block_sizes"), repetitions=repetitions, warmup=warmup,
-                              config=config, target_runner=result.pop("target_runner"), wide_target=wide_target,
+                              config=config, target_runner=result.pop("target_runner"),
+                              drafter_kind=result.pop("drafter_kind"), wide_target=wide_target,
                               machine=f"{os.cpu_count()} CPUs", date=time.strftime("%Y-%m-%d %H:%M:%S"))
     result["host"] = collect()
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -2,9 +2,10 @@
 
 Contract: `run_benchmark(model_dir, prompt_sets, num_prompts, max_new_tokens, modes, block_sizes,
 repetitions, warmup, config, progress=None, target_runner=None)` -> the summary of
-`report.summarize` plus `target_runner`, `block_policy` (with dflash@auto) and `runs` (one
-entry per timed run). Order: warm-up calls untimed, then for each repetition, for each prompt
-set and prompt, every mode once, the order of modes `rotated` by the repetition.
+`report.summarize` plus `target_runner`, `drafter_kind` (the manifest's, None without a drafter),
+`block_policy` (with dflash@auto) and `runs` (one entry per timed run). Order: warm-up calls
+untimed, then for each repetition, for each prompt set and prompt, every mode once, the order of
+modes `rotated` by the repetition.
 `progress(done, total, run)` is called after every timed run with its `Run`.
 `CpuMeter` reads the CPU time other processes used during a run (/proc/stat); `rss_mb()` is
 this process's resident memory; `measure_memory` loads pipelines in fresh processes.
@@ -123,6 +124,7 @@ def run_benchmark(model_dir: Path, prompt_sets: list[str], num_prompts: int, max
                         progress(done, total, runs[-1])
     result = summarize(runs, names, prompt_sets, notes)
     result["target_runner"] = pipe.target.kind
+    result["drafter_kind"] = built["drafter_kind"]
     if pipe.block_policy is not None:  # what "auto" measured and learned, to explain its choices
         policy = pipe.block_policy
         result["block_policy"] = {"round_ms_by_drafts": [1e3 * c for c in policy.round_cost_s],

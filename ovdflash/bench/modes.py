@@ -6,8 +6,10 @@ Contract: `OursRunner` = this pipeline (`block_size=None`: autoregressive; "auto
 continuation as its drafts); `GenaiRunner` = openvino.genai's LLMPipeline (ar, dflash, prompt
 lookup) with prefix caching off, as ours (`prefix_cache=False`). Our runners' stats are a
 `GenerationStats`, genai's a dict of round counters. `build_runners(model_dir, modes, block_sizes, config, notes, target_runner)`
--> {"pipe", "runners": {mode name: runner}}; a mode that cannot run here is skipped with a
-line appended to `notes`, an unknown mode is a one-line ClickException.
+-> {"pipe", "runners": {mode name: runner}, "drafter_kind": the manifest's drafter kind, None
+without a drafter}; a mode that cannot run here is skipped with a line appended to `notes`
+(genai-dflash with a drafter kind other than "dflash", which openvino.genai does not run), an
+unknown mode is a one-line ClickException.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import click
 import numpy as np
 
 from ..decode.stats import GenerationStats
-from ..manifest import load_manifest
+from ..manifest import drafter_kind, load_manifest
 from ..ov.precision import compile_config
 from ..pipeline import DFlashPipeline
 
@@ -141,6 +143,7 @@ def build_runners(model_dir: Path, modes: list[str], block_sizes: list[int | str
     # every run prefills its prompt whole, as genai's modes do with their prefix caching off
     pipe = DFlashPipeline.from_pretrained(model_dir, target_runner=target_runner, wide_target=wide_target,
                                           prefix_cache=False, **config)
+    drafter = drafter_kind(manifest) if pipe.drafter is not None else None
     runners = {}
     for mode in modes:
         if mode in ("dflash", "dflash-nopl"):
@@ -159,6 +162,9 @@ def build_runners(model_dir: Path, modes: list[str], block_sizes: list[int | str
                 else:
                     runners[f"oracle@{b}"] = OracleRunner(pipe, b)
         elif mode.startswith("genai"):
+            if mode == "genai-dflash" and drafter not in (None, "dflash"):
+                notes.append(f"genai-dflash: skipped, openvino.genai runs DFlash 1 drafters and this one is {drafter!r}")
+                continue
             try:
                 import openvino_genai  # noqa: F401
             except ImportError:
@@ -179,4 +185,4 @@ def build_runners(model_dir: Path, modes: list[str], block_sizes: list[int | str
         else:
             raise click.ClickException(f"unknown mode {mode!r} (choose from dflash, dflash-nopl, ar, genai-ar, "
                                        "genai-dflash, genai-pl, oracle)")
-    return {"pipe": pipe, "runners": runners}
+    return {"pipe": pipe, "runners": runners, "drafter_kind": drafter}

@@ -4,9 +4,9 @@ Contract: `summarize(runs, names, prompt_sets, notes)` -> per prompt set and mod
 TTFT, TPOT, busy cores, pooled speculative counters (ours exact per position, genai's from its
 raw durations), speedup and cost reduction over the best AR, `ratios`; and `agreement` with
 `ar` per mode. Strict JSON: no NaN where no AR mode ran. `render_tables(result, console)`
-prints one table per set; `plot(result, path)` writes bench.png (per-position acceptance of
-dflash@B; speedup vs block size with one label and line style per mode kind, `PLOT_STYLES`)
-and returns the figure.
+prints one table per set and the drafter's kind (`settings.drafter_kind`); `plot(result, path)`
+writes bench.png (per-position acceptance of dflash@B; speedup vs block size with one label and
+line style per mode kind, `PLOT_STYLES`) and returns the figure.
 """
 from __future__ import annotations
 
@@ -153,6 +153,9 @@ def render_tables(result: dict, console) -> None:
         console.print("  busy = median CPU cores used by other processes during a run")
         if data.get("ratios"):
             console.print("  " + ", ".join(f"{k} = {v:.2f}x" for k, v in data["ratios"].items()))
+    kind = result.get("settings", {}).get("drafter_kind")
+    if kind:
+        console.print(f"drafter kind: {kind}")
     for note in result["notes"]:
         console.print(f"note: {note}")
     if result.get("agreement"):

@@ -1,9 +1,9 @@
 """`ovdflash bench [MODEL_DIR]`: the click command, its progress display and its outputs.
 
 Contract: runs `measure.run_benchmark` with the options below, then writes `OUT/bench.json`
-(the summary, `settings`, `host` = `ovdflash.ov.host.collect()`, `memory` with `--memory`) and
-`OUT/bench.png`, and prints the tables to stdout. Progress goes to stderr: a bar on a terminal,
-else one line per finished run (`run_progress`), so a long bench is never silent.
+(the summary, `settings` with the drafter's kind, `host` = `ovdflash.ov.host.collect()`, `memory`
+with `--memory`) and `OUT/bench.png`, and prints the tables to stdout. Progress goes to stderr: a
+bar on a terminal, else one line per finished run (`run_progress`), so a long bench is never silent.
 With `--concurrency`, `concurrency.concurrency_command` runs instead (`OUT/bench_concurrency.*`;
 default modes and block size its own unless --modes / --block-sizes are given).
 """
@@ -129,7 +129,8 @@ def bench(model_dir, prompt_sets, num_prompts, max_new_tokens, modes, block_size
     result["settings"] = dict(model_dir=str(model_dir), prompt_sets=sets, num_prompts=num_prompts,
                               max_new_tokens=max_new_tokens, block_sizes=parse_block_sizes(block_sizes),
                               repetitions=repetitions, warmup=warmup, config=config,
-                              target_runner=result.pop("target_runner"), wide_target=wide_target,
+                              target_runner=result.pop("target_runner"), drafter_kind=result.pop("drafter_kind"),
+                              wide_target=wide_target,
                               machine=f"{os.cpu_count()} CPUs", date=time.strftime("%Y-%m-%d %H:%M:%S"))
     result["host"] = collect()
     if memory:
