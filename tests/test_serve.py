@@ -379,6 +379,10 @@ def test_bench_serve_measures_this_server(server, tmp_path):
     assert 6 <= report["total_output_tokens"] <= 6 * 12
     assert report["ttft_ms"]["median"] > 0 and report["tpot_ms"]["p99"] >= report["tpot_ms"]["median"] > 0
     assert report["output_throughput"] > 0 and report["spec_decode"]["num_drafts"] > 0
+    from ovdflash.bench.load import eval_prompts
+
+    assert sorted(r["prompt"] for r in report["replies"]) == sorted(eval_prompts(["math"], 6))
+    assert all(r["ok"] and r["text"] for r in report["replies"])
     assert "TTFT (ms)" in result.output and "output throughput" in result.output
 
 

@@ -8,7 +8,8 @@ Contract:
   completed / failed requests, duration, request throughput (req/s), output throughput (tok/s),
   and mean / median / p90 / p99 of TTFT (request sent to first text), TPOT ((latency - TTFT) /
   (output tokens - 1), per request) and end-to-end latency, in ms; plus the summed spec_decode
-  counters when the server reports them (ours does; others leave them out).
+  counters when the server reports them (ours does; others leave them out), and `replies`: each
+  request's prompt and streamed text (in the order they finished), to compare two servers' greedy replies.
 - Output tokens come from the usage chunk; a server without one is counted by text chunks.
 - Prompts come from the held-out eval sets (`ovdflash.bench.prompts`), several sets interleaved
   (`eval_prompts`); `format_report` renders a report as a table.
@@ -32,12 +33,14 @@ class RequestResult:
     output_tokens: int = 0
     spec_decode: dict | None = None
     error: str = ""
+    prompt: str = ""
+    text: str = ""
 
 
 async def _one_request(client, endpoint: str, model: str, prompt: str, max_tokens: int, temperature: float,
                        seed: int | None) -> RequestResult:
     t0 = time.perf_counter()
-    first, chunks, usage = None, 0, None
+    first, chunks, usage, texts = None, 0, None, []
     try:
         common = dict(model=model, max_tokens=max_tokens, temperature=temperature, stream=True,
                       stream_options={"include_usage": True}, **({"seed": seed} if seed is not None else {}))
@@ -51,16 +54,17 @@ async def _one_request(client, endpoint: str, model: str, prompt: str, max_token
                 text = choice.delta.content if endpoint == "chat" else choice.text
                 if text:
                     chunks += 1
+                    texts.append(text)
                     if first is None:
                         first = time.perf_counter()
             if getattr(chunk, "usage", None) is not None:
                 usage = chunk.usage
     except Exception as exc:  # one failed request is a number in the report, not the end of the run
-        return RequestResult(False, error=f"{type(exc).__name__}: {exc}")
+        return RequestResult(False, error=f"{type(exc).__name__}: {exc}", prompt=prompt)
     end = time.perf_counter()
     tokens = usage.completion_tokens if usage is not None else chunks
     spec = (usage.model_extra or {}).get("spec_decode") if usage is not None else None
-    return RequestResult(True, (first or end) - t0, end - t0, tokens, spec)
+    return RequestResult(True, (first or end) - t0, end - t0, tokens, spec, prompt=prompt, text="".join(texts))
 
 
 def _percentiles(values_s: list[float]) -> dict:
@@ -84,6 +88,7 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict:
                                  if r.output_tokens > 1]),
         "e2e_latency_ms": _percentiles([r.latency_s for r in done]),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "replies": [{"prompt": r.prompt, "text": r.text, "ok": r.ok} for r in results],
     }
     specs = [r.spec_decode for r in done if r.spec_decode]
     if specs:
