@@ -13,7 +13,8 @@ Contract:
   prompt_lookup/prefix_cache as `DFlashPipeline.generate`; "auto" lets the scheduler's load-aware
   policy choose each round's drafts, up to the trained block; prefix_cache shares the pool's cached
   KV blocks that begin the prompt). The result fills as the request runs. Bad arguments raise
-  ValueError at once, nothing queued.
+  ValueError at once, nothing queued. A drafter that reports confidences has its proposals cut at
+  the pipeline's `confidence_threshold` (block_policy.ConfidenceCut), fixed block or "auto".
 - `structured` (token_generation's spelling) holds the request's output to a grammar, a fresh one per
   request (token_generation.call_grammar); a bad spec is a ValueError at `add`.
 - Penalties, logit bias and logprobs come in `params` (decode.sampling.SamplingParams); a logit_bias
@@ -45,7 +46,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .decode.block_policy import BatchDraftPolicy, measure_batch_costs
+from .decode.block_policy import BatchDraftPolicy, ConfidenceCut, measure_batch_costs
 from .decode.sampling import SamplingParams
 from .decode.scheduler import Scheduler
 from .decode.stats import GenerationStats
@@ -124,7 +125,7 @@ class BatchGeneration:
         stats = self.scheduler.add(request_id, prompt_ids, max_new_tokens, params or SamplingParams(), block,
                                    use_lookup, tuple(pipe.eos_token_ids), load_aware=load_aware,
                                    reuse_prefix=pipe.prefix_cache if prefix_cache is None else bool(prefix_cache),
-                                   grammar=grammar)
+                                   grammar=grammar, draft_cut=ConfidenceCut(pipe.confidence_threshold))
         result = GenerationResult("", [], "", stats)
         detok = IncrementalDetokenizer(pipe.tokenizer) if pipe.tokenizer is not None else None
         self.requests[request_id] = _Request(result, detok, stops, set(pipe.eos_token_ids))

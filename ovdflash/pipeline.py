@@ -26,6 +26,10 @@ Contract:
   the embedded default model fixes 4, ahead of 2 and level with "auto" on Zen 3-5 hosts:
   docs/BENCHMARKS.md), the trained block size (`block_size`) for a pipeline built directly.
   `generate_tokens(prompt_ids, ...)` is the token-level API (sequence.TokenEvent per token).
+- `confidence_threshold` (attribute, default `block_policy.DEFAULT_CONFIDENCE_THRESHOLD`, 0..1): with a
+  drafter that predicts each draft's acceptance (DSpark's confidence head), a fixed block verifies
+  only the drafts before the first one whose predicted chance of being reached is below it (at
+  least one; 0: never cut); "auto" chooses that length from its cost curve instead. Output unchanged.
 - `prompt_lookup` (from_pretrained, default True; per call: None = the pipeline's): rounds whose
   text so far ends with an n-gram seen earlier in it verify the tokens that followed it instead
   of the drafter's (ovdflash.decode.lookup; output unchanged). Only with the drafter in use.
@@ -71,7 +75,7 @@ from pathlib import Path
 
 from . import batch_generation, calibration, loading, text, token_generation
 from .calibration import CALIBRATED_DRAFTS, CALIBRATION_PROMPT  # noqa: F401  (importers read them here)
-from .decode.block_policy import BlockPolicy
+from .decode.block_policy import DEFAULT_CONFIDENCE_THRESHOLD, BlockPolicy
 from .decode.prefix_cache import PrefixCache
 from .decode.stats import GenerationStats
 from .loading import DEFAULT_CACHE_DIR, default_model_dir  # noqa: F401  (importers read them here)
@@ -99,6 +103,7 @@ class DFlashPipeline:
         self.stats = GenerationStats()       # cumulative
         self.last_stats = GenerationStats()  # latest call
         self.block_policy: BlockPolicy | None = None  # for block_size="auto"; built on first use
+        self.confidence_threshold = DEFAULT_CONFIDENCE_THRESHOLD  # a fixed block's cut (block_policy.ConfidenceCut)
         self.prompt_lookup = prompt_lookup  # n-gram lookup drafts beside the drafter's (ovdflash.decode.lookup)
         self.prefix_cache = prefix_cache  # reuse the KV of the previous call's tokens (ovdflash.decode.prefix_cache)
         self.prefix_store = PrefixCache(target, drafter)  # what the runners hold between calls

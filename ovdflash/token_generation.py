@@ -4,9 +4,11 @@ Contract:
 - `generate_tokens(pipe, prompt_ids, max_new_tokens=256, ...)` is `DFlashPipeline.generate_tokens`:
   it checks the call (token ids, max_new_tokens, `check_block_size`), picks the drafter, the "auto"
   block policy (`pipe.auto_block_policy()`), the n-gram lookup and the prefix cache as the
-  pipeline's contract says, and returns the engine's events (ovdflash.decode.sequence.TokenEvent)
-  as a generator that holds `pipe`'s GenerationLock while it runs and, once finished, broken off or
-  interrupted, records the call's stats (`last_stats`, cumulative `stats`, the caller's `stats`).
+  pipeline's contract says, the confidence cut (the "auto" policy's `cut`, else
+  `block_policy.ConfidenceCut(pipe.confidence_threshold)`), and returns the engine's events
+  (ovdflash.decode.sequence.TokenEvent) as a generator that holds `pipe`'s GenerationLock while it
+  runs and, once finished, broken off or interrupted, records the call's stats (`last_stats`,
+  cumulative `stats`, the caller's `stats`).
 - `sampling_params(pipe, temperature, top_p, top_k, seed, **processing)`: the call's SamplingParams
   (penalties, logit_bias, logprobs as decode.sampling's), a logit_bias token id checked against the
   pipeline's vocabulary; one-line ValueErrors.
@@ -29,6 +31,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from .decode import sequence
+from .decode.block_policy import ConfidenceCut
 from .decode.lookup import NgramLookup
 from .decode.prefix_cache import PrefixCache
 from .decode.sampling import SamplingParams
@@ -120,7 +123,8 @@ def generate_tokens(pipe, prompt_ids: Sequence[int], max_new_tokens: int = 256, 
     grammar = call_grammar(pipe, structured)
     events = sequence.generate(pipe.target, use_drafter, prompt_ids, max_new_tokens, params, eos,
                                block_size if use_drafter is not None else 1, call_stats, policy, lookup,
-                               pipe.prefix_store, reuse_prefix=bool(reuse), grammar=grammar)
+                               pipe.prefix_store, reuse_prefix=bool(reuse), grammar=grammar,
+                               draft_cut=policy if hasattr(policy, "cut") else ConfidenceCut(pipe.confidence_threshold))
     return _recorded(pipe, events, call_stats, stats)
 
 

@@ -557,3 +557,80 @@ def test_new_sequences_start_from_the_acceptance_seen_so_far():
     for _ in range(40):
         policy.observe(seen, 3, 0)
     assert policy.new_sequence()["estimate"].acceptance()[0] < fresh.acceptance()[0]
+
+
+# ------------------------------------------------------------------ cutting a proposal by its confidence
+def confidence_rates(policy, confidence):
+    """E[accepted+1](k) / cost(k) for k = 1..n, summing over a round's outcomes with the c_i as p_i."""
+    n, rates = len(confidence), []
+    for k in range(1, n + 1):
+        expected = sum(np.prod(confidence[:a]) * ((1 - confidence[a]) if a < k else 1.0) * (a + 1)
+                       for a in range(k + 1))
+        switch = policy.switch_cost_s if policy.previous_k is not None and k != policy.previous_k else 0.0
+        rates.append(expected / (policy.round_cost_s[k] - policy.draft_cost_s[k] + policy.draft_cost_s[n] + switch))
+    return rates
+
+
+def test_the_cut_verifies_the_drafts_that_maximize_the_expected_rate():
+    policy = smollm_like_policy()
+    low_third = [0.9, 0.9, 0.1, 0.9, 0.9, 0.9, 0.9]  # reaching draft 3 is unlikely: stop before it
+    assert policy.cut(low_third) == 2 == 1 + int(np.argmax(confidence_rates(policy, low_third)))
+    assert policy.cut([0.99] * 7) == 7  # confident: no cut
+    assert policy.cut([0.01] * 7) == 1  # never below one draft: drafting at all is choose's
+    assert policy.cut([0.9, 0.9, 0.1]) == 2 and policy.cut([0.3]) == 1 and policy.cut([]) == 0
+    rng = np.random.default_rng(4)
+    for _ in range(50):
+        c = rng.uniform(0, 1, size=int(rng.integers(1, 8)))
+        assert policy.cut(c) == 1 + int(np.argmax(confidence_rates(policy, c)))
+
+
+def test_the_cut_pays_the_whole_switch_and_counts_the_drafter_call_as_paid():
+    policy = smollm_like_policy(switch_cost_s=0.02)
+    policy.observe_round(7, 7)  # the previous round verified 7 drafts: a shorter block is a new shape
+    low_third = [0.9, 0.9, 0.1, 0.9, 0.9, 0.9, 0.9]
+    assert policy.cut(low_third) == 7 == 1 + int(np.argmax(confidence_rates(policy, low_third)))
+    # a drafter call that grows with its drafts: cutting does not give the longer call's time back
+    growing = BlockPolicy([m / 1e3 for m in STEP_MS], [0.0] + [0.004 * k for k in range(1, 8)])
+    assert growing.draft_cost_s[7] == pytest.approx(0.028)
+    fading = [0.9, 0.9, 0.5, 0.5, 0.5, 0.5, 0.5]
+    assert growing.cut(fading) == 4 == 1 + int(np.argmax(confidence_rates(growing, fading)))  # 2 if it were not paid
+
+
+def test_a_fixed_block_cuts_where_the_predicted_reach_falls_below_the_threshold():
+    cut = block_policy.ConfidenceCut()
+    assert cut.threshold == block_policy.DEFAULT_CONFIDENCE_THRESHOLD
+    assert cut.cut([0.5] * 7) == 2          # reach 0.5, 0.25, 0.125: below 0.2 from draft 3
+    assert cut.cut([0.95] * 7) == 7         # 0.95 ** 7 = 0.70: no cut
+    assert cut.cut([0.1, 0.9]) == 1         # the first draft stays
+    assert block_policy.ConfidenceCut(0.0).cut([0.01] * 5) == 5  # 0: never cut
+    assert block_policy.ConfidenceCut(0.6).cut([0.9, 0.8, 0.8]) == 2  # reach 0.9, 0.72, 0.58
+    for bad in (-0.1, 1.5, "0.2", True):
+        with pytest.raises(ValueError, match="confidence_threshold"):
+            block_policy.ConfidenceCut(bad)
+
+
+class ConfidentMockDrafter(MockDrafter):
+    """A MockDrafter that reports a per-slot confidence with each proposal (None: reports none)."""
+
+    def __init__(self, target, slot_confidence, **kwargs):
+        super().__init__(target, **kwargs)
+        self.slot_confidence = slot_confidence
+        self.confidence = None
+
+    def propose(self, last, ctx_feats, start, num_drafts):
+        drafts = super().propose(last, ctx_feats, start, num_drafts)
+        if self.slot_confidence is not None:
+            self.confidence = np.full(num_drafts, self.slot_confidence)
+        return drafts
+
+
+@pytest.mark.parametrize("slot_confidence, longest", [(0.5, 2), (0.95, 7), (None, 7)])
+def test_a_cut_proposal_stays_lossless_and_no_confidence_changes_nothing(slot_confidence, longest):
+    target = MockTarget(vocab_size=32, seed=11)
+    drafter = ConfidentMockDrafter(target, slot_confidence, block_size=8, error_rate=0.2, seed=5)
+    stats = GenerationStats()
+    for prompt in ([1, 2, 3], [7, 30]):
+        ar = tokens(generate(target, None, prompt, 40, GREEDY))
+        assert tokens(generate(target, drafter, prompt, 40, GREEDY, block_size=8, stats=stats,
+                               draft_cut=block_policy.ConfidenceCut())) == ar
+    assert len(stats.drafted_per_position) == longest and stats.num_accepted_tokens > 0

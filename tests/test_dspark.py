@@ -176,3 +176,63 @@ def test_a_batch_equals_single_runs(pipe):
         batch = pipe.generate_batch(prompts, max_new_tokens=16, max_batch_size=3, prompt_lookup=False, **kwargs)
         single = [pipe.generate(p, max_new_tokens=16, prompt_lookup=False, **kwargs) for p in prompts]
         assert [r.token_ids for r in batch] == [r.token_ids for r in single], kwargs
+
+
+# -- the confidence head cuts the block (decode.block_policy: `BlockPolicy.cut`, `ConfidenceCut`) -----------
+@pytest.fixture
+def confidence_to(pipe, monkeypatch):
+    """Sets every slot's predicted acceptance to c: the head's weight zero, its bias logit(c) (restored after)."""
+    heads = pipe.drafter.proposals.heads  # shared by every drafter on the compiled graph, the batch's too
+
+    def set_to(c):
+        monkeypatch.setattr(heads, "confidence_weight", np.zeros_like(heads.confidence_weight))
+        monkeypatch.setattr(heads, "confidence_bias", float(np.log(c / (1 - c))))
+    return set_to
+
+
+def cut_greedy_run(pipe, prompts, **kwargs):
+    """Greedy replies equal AR's; returns the stats of the drafted runs."""
+    from ovdflash.decode.stats import GenerationStats
+
+    stats = GenerationStats()
+    for i, prompt in enumerate(prompts):
+        ar = [e.token for e in pipe.generate_tokens(prompt, 24, draft=False, eos_token_ids=[])]
+        spec = [e.token for e in pipe.generate_tokens(prompt, 24, prompt_lookup=False, eos_token_ids=[], stats=stats,
+                                                      **kwargs)]
+        assert spec == ar, i
+    return stats
+
+
+@pytest.mark.parametrize("confidence, threshold, longest", [(0.5, None, 2), (0.95, None, 7), (0.5, 0.0, 7)])
+def test_a_fixed_block_is_cut_where_the_predicted_reach_falls(pipe, confidence_to, monkeypatch, confidence,
+                                                              threshold, longest):
+    """Slots at 0.5 are reached with 0.5, 0.25, ...: below the default 0.2 from draft 3, so rounds verify 2."""
+    confidence_to(confidence)
+    if threshold is not None:
+        monkeypatch.setattr(pipe, "confidence_threshold", threshold)
+    stats = cut_greedy_run(pipe, random_prompts(4, pipe.tokenizer.vocab_size, seed=31), block_size=TRAINED_BLOCK + 1)
+    assert len(stats.drafted_per_position) == longest and stats.num_drafts > 0
+
+
+@pytest.mark.parametrize("confidence, longest", [(0.5, 2), (0.95, 7)])
+def test_auto_cuts_the_block_its_policy_chose(pipe, confidence_to, monkeypatch, confidence, longest):
+    """A policy sure of long blocks (acceptance 0.95) drafts 7; slots at 0.5 make 2 the best rate on its costs."""
+    from ovdflash.decode.block_policy import BlockPolicy
+
+    step_ms, draft_ms = [25.0 + 3 * k for k in range(TRAINED_BLOCK + 1)], [0.0] + [4.0] * TRAINED_BLOCK
+    policy = BlockPolicy([m / 1e3 for m in step_ms], [m / 1e3 for m in draft_ms], prior_acceptance=0.95,
+                         prior_strength=1e6, cost_update_rate=0.0, drift_rate=0.0)  # wall times teach it nothing
+    monkeypatch.setattr(pipe, "block_policy", policy)
+    confidence_to(confidence)
+    stats = cut_greedy_run(pipe, random_prompts(3, pipe.tokenizer.vocab_size, seed=32), block_size="auto")
+    assert len(stats.drafted_per_position) == longest
+
+
+def test_a_batch_cuts_the_block_and_equals_single_runs(pipe, confidence_to):
+    confidence_to(0.5)
+    prompts = random_prompts(3, pipe.tokenizer.vocab_size, seed=33)
+    batch = pipe.generate_batch(prompts, max_new_tokens=16, max_batch_size=3, prompt_lookup=False,
+                                block_size=TRAINED_BLOCK + 1)
+    ar = [pipe.generate(p, max_new_tokens=16, draft=False) for p in prompts]
+    assert [r.token_ids for r in batch] == [r.token_ids for r in ar]
+    assert all(0 < len(r.stats.drafted_per_position) <= 2 for r in batch)

@@ -7,7 +7,7 @@ its own runners: `speculative_round`, `autoregressive_step`, `generate`, the tar
 rejection sampling, seeds per position, per-token logprobs), `logits_processors` (penalties and logit
 bias, row by row inside a verified block), `structured` (structured outputs: a grammar's mask row by
 row, drafts cut where it forbids them), `lookup` (n-gram drafts), `block_policy` (drafts per round
-from measured costs), `prefix_cache` (prompt reuse across calls), `stats`. May import: numpy and
+from measured costs, and where a drafter's confidence cuts its proposal), `prefix_cache` (prompt reuse across calls), `stats`. May import: numpy and
 this package only; the runners come in as objects that meet the interfaces (tests drive them with
 mock models).
 """

@@ -18,6 +18,16 @@ Contract:
   E[accepted + 1](k) = 1 + sum_{j<=k} prod_{i<=j} p_i, p_i the estimated conditional acceptance
   of draft i given drafts 1..i-1 were accepted. Without the switch term "auto" flips between
   k values whose steady rates are close, and pays the switch on every flip.
+- `cut(confidence)`: after the drafter proposed n drafts and reported each slot's predicted
+  acceptance c_1..c_n (conditional: c_i = P(draft i accepted | drafts 1..i-1 accepted), as DSpark's
+  confidence head is trained, so P(drafts 1..i all accepted) = prod_{j<=i} c_j), the k in 1..n
+  drafts to verify that maximizes E[accepted + 1](k) / cost(k), the c_i in place of the learned
+  p_i for this round, cost(k) the verify part of round_cost_s[k] plus the drafter call already
+  paid (`draft_cost_s[n]`) plus the whole `switch_cost_s` when k is not the previous round's (one
+  round's choice: nothing amortizes it). At least one draft: whether to draft at all is `choose`'s.
+- `ConfidenceCut(threshold)`: the same question for a fixed block size, with no cost curve: verify
+  the drafts before the first slot i whose reach prod_{j<=i} c_j is below `threshold` (at least
+  one; `DEFAULT_CONFIDENCE_THRESHOLD`; 0 never cuts).
 - `observe_round(num_drafted, num_accepted, seconds=None)` (num_drafted = 0: an AR step)
   learns costs in use when timed, at `cost_update_rate`: a round that repeats the previous k
   (each sample clipped to 0.5-2x the estimate so one descheduled call cannot swing it) moves
@@ -52,7 +62,7 @@ Contract:
   scheduler's block_size "auto"): from the batch's cost curve by total tokens and each sequence's
   acceptance (`DraftAcceptance`, the estimator BlockPolicy uses); `measure_batch_costs` measures
   that curve on the batched runner.
-Any policy only changes how many tokens are verified, never which are kept: output stays
+Any policy or cut only changes how many tokens are verified, never which are kept: output stays
 identical to autoregressive decoding (greedy) or distributed as it (sampling).
 Pure python/numpy: no OpenVINO here.
 """
@@ -76,6 +86,7 @@ class BlockPolicy:
             raise ValueError(f"step costs must be > 0, got {list(step_cost_s)}")
         self.round_cost_s = [float(s) + (float(d) if k else 0.0)
                              for k, (s, d) in enumerate(zip(step_cost_s, draft_cost_s))]
+        self.draft_cost_s = [0.0] + [float(d) for d in draft_cost_s[1:]]  # the drafter's part of round_cost_s
         self.max_drafts = len(step_cost_s) - 1
         if switch_cost_s < 0 or switch_horizon <= 0:
             raise ValueError(f"switch_cost_s must be >= 0 and switch_horizon > 0, got {switch_cost_s}, {switch_horizon}")
@@ -153,6 +164,18 @@ class BlockPolicy:
         self.probe_k, self.probe_left = 1 + int(np.argmax(rates[1:])), self.probe_rounds - 1
         return self.probe_k
 
+    def cut(self, confidence: Sequence[float]) -> int:
+        """Drafts to verify of a proposal with these per-slot predicted acceptances (module contract)."""
+        reach = np.cumprod(np.clip(np.asarray(confidence, dtype=np.float64)[: self.max_drafts], 0.0, 1.0))
+        n = len(reach)
+        if n <= 1:
+            return n
+        paid = self.draft_cost_s[n]  # the drafter ran for n drafts whatever is verified
+        costs = np.array([self.round_cost_s[k] - self.draft_cost_s[k] + paid
+                          + (self.switch_cost_s if self.previous_k is not None and k != self.previous_k else 0.0)
+                          for k in range(1, n + 1)])
+        return 1 + int(np.argmax((1.0 + np.cumsum(reach)) / costs))
+
     def observe_round(self, num_drafted: int, num_accepted: int, seconds: float | None = None) -> None:
         if seconds is not None and self.previous_k is not None:
             estimate = self.round_cost_s[num_drafted]
@@ -160,6 +183,7 @@ class BlockPolicy:
                 sample = min(max(seconds, 0.5 * estimate), 2.0 * estimate)
                 drift = (sample / estimate) ** self.drift_rate   # the whole machine got slower or faster
                 self.round_cost_s = [c * drift for c in self.round_cost_s]
+                self.draft_cost_s = [c * drift for c in self.draft_cost_s]
                 self.switch_cost_s *= drift
                 estimate = self.round_cost_s[num_drafted]
                 self.round_cost_s[num_drafted] = estimate + self.cost_update_rate * (sample - estimate)
@@ -168,6 +192,24 @@ class BlockPolicy:
                 self.switch_cost_s += self.cost_update_rate * (excess - self.switch_cost_s)
         self.previous_k = num_drafted
         self.estimate.observe(num_drafted, num_accepted)
+
+
+# a slot pays when its reach exceeds about E(k) * (one more verified row) / cost(k): 0.15-0.3 on SmolLM2's curve
+DEFAULT_CONFIDENCE_THRESHOLD = 0.2
+
+
+class ConfidenceCut:
+    """A fixed block's cut: the drafts before the first slot whose predicted reach is below `threshold`."""
+
+    def __init__(self, threshold: float = DEFAULT_CONFIDENCE_THRESHOLD):
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"confidence_threshold must be a number in [0, 1], got {threshold!r}")
+        self.threshold = float(threshold)
+
+    def cut(self, confidence: Sequence[float]) -> int:
+        reach = np.cumprod(np.clip(np.asarray(confidence, dtype=np.float64), 0.0, 1.0))
+        below = np.flatnonzero(reach < self.threshold)
+        return len(reach) if not len(below) else max(1, int(below[0]))
 
 
 class DraftAcceptance:

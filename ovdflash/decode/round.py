@@ -11,6 +11,9 @@ Contract:
     max_new_tokens nor the context end.
   - `choose_drafts(start, max_drafts)`: n-gram lookup's drafts, else the drafter's (its call consumes
     the features it has not seen; a lookup round leaves them for its next call), else none (an AR step).
+    Where the drafter reports per-slot confidences and the state has a `draft_cut`
+    (block_policy.BlockPolicy or block_policy.ConfidenceCut), only the first `draft_cut.cut(confidence)`
+    drafts are verified (slots the grammar forces count as certain).
   - `accept(drafts, logits, feats, start, from_lookup)`: `accept_block`, then `last` is the target's
     token, the lookup has the round's text and the stats its round (or AR step); returns the accepted drafts.
   - `events(accepted, context_full)`: the round's tokens (accepted drafts, then `last`) as TokenEvents
@@ -55,7 +58,8 @@ NO_DRAFTS = np.zeros(0, dtype=np.int64)
 class DrafterRunner(Protocol):
     """Holds the drafter's context cache. `propose(last, ctx_feats, start, num_drafts)` adds the
     features of positions `start-len(ctx_feats)..start-1` to its context and returns `num_drafts`
-    argmax proposals for positions `start+1..`."""
+    argmax proposals for positions `start+1..`. A drafter may also have `confidence`: each slot's
+    predicted conditional acceptance for its last proposal (None, or no attribute: none)."""
 
     block_size: int   # the block it was trained with (drafts per round = block_size - 1)
     context_len: int  # positions whose features its context holds (0 after reset)
@@ -122,6 +126,7 @@ class SequenceState:
     drafter: DrafterRunner | None = None
     lookup: NgramLookup | None = None
     grammar: GrammarState | None = None  # structured outputs: the grammar every token is held to
+    draft_cut: object | None = None  # shortens a proposal the drafter is unsure of: cut(confidence) -> drafts
     last: int = -1  # the newest token: sampled, no KV yet
     ctx_feats: np.ndarray | None = None  # target features the drafter has not consumed yet
     num_out: int = 0
@@ -171,9 +176,14 @@ class SequenceState:
             return self._allowed_drafts(found), True
         drafts = np.asarray(self.drafter.propose(self.last, self.ctx_feats, start, max_drafts), dtype=np.int64)
         self.ctx_feats = self.ctx_feats[:0]
+        confidence = getattr(self.drafter, "confidence", None)
         forced = self.grammar.forced()[:max_drafts] if self.grammar is not None else []
         if len(forced):  # the grammar leaves one way on: those drafts are known, the drafter's guess the rest
             drafts = np.concatenate([np.asarray(forced, dtype=np.int64), drafts[len(forced):]])
+            if confidence is not None:
+                confidence = np.concatenate([np.ones(len(forced)), confidence[len(forced):]])
+        if confidence is not None and self.draft_cut is not None and len(drafts) > 1:
+            drafts = drafts[: self.draft_cut.cut(confidence[: len(drafts)])]
         return self._allowed_drafts(drafts), False
 
     def _allowed_drafts(self, drafts: np.ndarray) -> np.ndarray:

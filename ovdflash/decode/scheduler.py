@@ -15,8 +15,9 @@ Contract:
   `drafters` hands out one
   `round.DrafterRunner` per sequence (`take()`, `give(d)`; paged_batch.DrafterPool) or is None
   (AR only). `add(request_id, prompt_ids, max_new_tokens, params, block_size, prompt_lookup, eos,
-  load_aware=False, reuse_prefix=True, grammar=None)` queues a request (`grammar`: a fresh
-  `structured.GrammarState` holding its output to a grammar, as `round.SequenceState` says) and
+  load_aware=False, reuse_prefix=True, grammar=None, draft_cut=None)` queues a request (`grammar`: a fresh
+  `structured.GrammarState` holding its output to a grammar, as `round.SequenceState` says; `draft_cut`:
+  `block_policy.ConfidenceCut`, which shortens the proposals of a drafter reporting confidences) and
   returns the `GenerationStats` it fills; it waits (FIFO) until the pool can book prompt + max_new_tokens tokens (less the cached
   blocks it shares) and a batch slot is free. A prompt that leaves no room for a
   token is `round.PromptTooLongError`, a request larger than the whole pool a ValueError, both at add.
@@ -32,8 +33,8 @@ Contract:
   limits); a `load_aware` one gets the drafts `draft_policy` (block_policy.BatchDraftPolicy; set
   it before adding such a request) chooses for the whole batch each round, 0..block_size - 1, from
   the batch's cost curve and each sequence's acceptance; a sequence it holds at AR still verifies
-  its n-gram lookup drafts where the call has free room (`free_tokens`). Either way output is
-  unchanged.
+  its n-gram lookup drafts where the call has free room (`free_tokens`). Either way a `draft_cut`
+  may then verify fewer of the drafter's drafts, and output is unchanged.
 - Chunked prefill: `max_num_batched_tokens` (None: a prompt prefills whole in its first round) is
   each round's token budget. The verifying sequences are scheduled first and never cut; the
   prefilling ones share the rest (at least `min(budget, MIN_PREFILL_CHUNK)`, so a prefill moves
@@ -123,7 +124,7 @@ class Scheduler:
     def add(self, request_id: Hashable, prompt_ids: Sequence[int], max_new_tokens: int,
             params: SamplingParams | None = None, block_size: int = 1, prompt_lookup: bool = False,
             eos: Sequence[int] = (), load_aware: bool = False, reuse_prefix: bool = True,
-            grammar: GrammarState | None = None) -> GenerationStats:
+            grammar: GrammarState | None = None, draft_cut=None) -> GenerationStats:
         prompt = check_prompt(prompt_ids, self.target.max_length)
         max_new_tokens = check_count("max_new_tokens", max_new_tokens)
         block_size = check_count("block_size", block_size)
@@ -137,7 +138,7 @@ class Scheduler:
             raise ValueError(f"request {request_id!r} needs more KV cache than the whole pool holds "
                              f"({len(prompt)} prompt + {max_new_tokens} new tokens)")
         state = SequenceState(params or SamplingParams(), max_new_tokens, frozenset(int(t) for t in eos),
-                              GenerationStats(), block_size, grammar=grammar)
+                              GenerationStats(), block_size, grammar=grammar, draft_cut=draft_cut)
         self.waiting.append(_Sequence(request_id, prompt, state, bool(prompt_lookup), time.perf_counter(),
                                       policy_state=self.draft_policy.new_sequence() if load_aware else None,
                                       reuse_prefix=bool(reuse_prefix)))

@@ -20,6 +20,9 @@ Contract:
   drafter's context; `begin_sequence()` is called after each prefill. Every round and
   step it chose is reported back with its wall time. Only the number of verified tokens
   changes, so output is the same as with any fixed block.
+- With a `draft_cut` (`block_policy.BlockPolicy`, the "auto" policy, or `block_policy.ConfidenceCut`
+  for a fixed block), a drafter that reports per-slot confidences (DSpark's confidence head) has
+  its proposal shortened to the drafts the cut keeps (`round.SequenceState`); output is unchanged.
 - With a `lookup` (`lookup.NgramLookup`), a round whose text so far ends with an n-gram seen
   earlier verifies the tokens that followed it instead of the drafter's, and skips the drafter's
   call; the drafter gets the features it missed at its next call. Output is unchanged.
@@ -117,7 +120,7 @@ def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Se
              block_size: int | None = None, stats: GenerationStats | None = None,
              policy: BlockSizePolicy | None = None, lookup: NgramLookup | None = None,
              prefix_cache: PrefixCache | None = None, reuse_prefix: bool = True,
-             grammar: GrammarState | None = None) -> Iterator[TokenEvent]:
+             grammar: GrammarState | None = None, draft_cut=None) -> Iterator[TokenEvent]:
     """Speculative (drafter given, block_size >= 2) or autoregressive generation; see module doc."""
     prompt = check_prompt(prompt_ids, target.max_length)
     if drafter is not None and block_size is None:
@@ -125,7 +128,7 @@ def generate(target: TargetRunner, drafter: DrafterRunner | None, prompt_ids: Se
     eos = frozenset(int(t) for t in eos_token_ids)
     stats = stats if stats is not None else GenerationStats()
     seq = SequenceState(params, check_count("max_new_tokens", max_new_tokens), eos, stats,
-                        check_count("block_size", block_size or 1), drafter, lookup, grammar)
+                        check_count("block_size", block_size or 1), drafter, lookup, grammar, draft_cut)
     t_start = time.perf_counter()
     compactions_before = target.num_compactions
     _prefill(target, seq, prompt, prefix_cache, reuse_prefix)

@@ -15,7 +15,10 @@ Contract (docs/DESIGN.md, "DSpark drafters"):
   Returns the drafts as target ids; a walk over the first n slots is the first n of a longer one.
 - `DSparkWalk(compiled)`: the proposal reader `runners.OVDrafter` uses on such a graph: `read(request,
   num_drafts)` walks the first num_drafts slots of its last inference and keeps each slot's predicted
-  acceptance in `confidence` (None without a confidence head). The walk's choice is a deterministic
+  acceptance in `confidence` (None without a confidence head): conditional on the slots before it being
+  accepted, as DeepSpec trains the head (its target is slot i's acceptance given the true prefix; the
+  chance of reaching slot i is the product), which the block policy's cut reads
+  (decode.block_policy, `cut`). The walk's choice is a deterministic
   proposal (q = one-hot), which is what `decode.sampling` verifies exactly.
 May import: numpy, openvino and `.graphs`.
 """

@@ -17,7 +17,9 @@ Contract:
   the new context features, positions and an all-ones mask, and reads back only the proposals:
   its proposer follows the compiled graph's kind (`proposals_for`): `ArgmaxProposals` reads a DFlash
   drafter's `draft_tokens`, `dflash2.SelectorWalk` walks a DFlash 2 drafter's candidates,
-  `dspark.DSparkWalk` a DSpark drafter's Markov-biased slot logits.
+  `dspark.DSparkWalk` a DSpark drafter's Markov-biased slot logits. `confidence` is the proposer's
+  per-slot predicted acceptance of the last proposal (DSpark's confidence head), else None; how
+  many drafts are verified stays the block policy's (decode.round.SequenceState.draft_cut).
   A round that verifies k < B-1 drafts still runs the whole block and reads its first k
   (`draft_block` = B, manifest `draft_pass` "full_block"), or runs k + 1 tokens (`draft_block` 0,
   "exact"); near the end of the positions the pass shrinks to fit. `rewind(k)` cuts its context
@@ -199,6 +201,10 @@ class OVDrafter:
         })
         self.context_len = start
         return self.proposals.read(self.request, num_drafts)
+
+    @property
+    def confidence(self) -> np.ndarray | None:
+        return getattr(self.proposals, "confidence", None)
 
     def rewind(self, num_kept: int) -> None:
         """Keep the context of the first num_kept positions only. Exact: the state holds each context
