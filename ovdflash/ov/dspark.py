@@ -85,7 +85,8 @@ def slot_logits(logits: np.ndarray, previous: np.ndarray, heads: DSparkHeads) ->
     """logits [n,V'] plus each slot's Markov bias from its previous token (target ids [n])."""
     if heads.markov_w1 is None:
         return np.asarray(logits, dtype=np.float32)
-    return logits + heads.markov_w1[previous] @ heads.markov_w2.T
+    # einsum's own loop, not BLAS: BLAS threads fight the plugin's for the cores right after an inference
+    return logits + np.einsum("nr,vr->nv", heads.markov_w1[previous], heads.markov_w2)
 
 
 def walk(logits: np.ndarray, anchor: int, heads: DSparkHeads) -> np.ndarray:
