@@ -6,7 +6,7 @@ prompt caching hints, safety_identifier, prediction, modalities ["text"], parall
 to parse, stream_options.include_obfuscation, tools[].function.strict, messages[].refusal) are accepted, named
 by `ignored_fields()`, leave the greedy reply and its usage unchanged, and are each logged once per process;
 fields that would change the reply and are not implemented (a response_format of an unknown type, audio modalities,
-functions, tool_choice "required" without tools), penalties, logit_bias and logprobs out of OpenAI's ranges, and unknown fields (frobnicate, vLLM's
+functions, tool_choice "required" without tools, a tool without a name), penalties, logit_bias and logprobs out of OpenAI's ranges, and unknown fields (frobnicate, vLLM's
 min_p, OpenAI's verbosity) are a 400 naming the field in one line; an ignored field of the wrong type is
 still a 400.
 """
@@ -59,6 +59,8 @@ REFUSED = [
     ({"function_call": "auto"}, "function_call"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [TOOL, TOOL]}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"parameters": {"type": "object"}}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
     ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type"),
     ({"frobnicate": 1}, "frobnicate"),
     ({"min_p": 0.1}, "min_p"),
@@ -172,8 +174,9 @@ def test_each_ignored_field_is_logged_once_per_process(served, monkeypatch, capl
     ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
     ({"extra_body": {"min_p": 0.1}}, "min_p"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"parameters": {"type": "object"}}}]}, "tools[0].function.name"),
 ], ids=["top_logprobs", "n", "presence_penalty", "logit_bias", "response_format", "verbosity", "frobnicate", "min_p",
-        "tool_choice"])
+        "tool_choice", "tool_without_a_name"])
 def test_the_client_sees_a_400_naming_the_refused_field(served, kwargs, param):
     import openai
 

@@ -5,7 +5,9 @@ The app over the real tiny pair, one request at a time and continuously batched:
 entry per generated token whose values equal the pipeline's own `generate` with the same settings;
 streamed entries concatenate to the whole reply's; completions' text_offset runs over the token texts;
 penalties and logit_bias reach the sampler (the reply equals the pipeline's, +100 forces a token); a
-request without logprobs gets `logprobs: null`; bad values are 400s naming the field.
+DFlash server and a `--no-draft` (AR) one give the same replies and logprobs, chat (streamed too) and
+completions, greedy and seeded, with penalties and bias on (which change the reply) and off; a request
+without logprobs gets `logprobs: null`; bad values are 400s naming the field.
 """
 import math
 from types import SimpleNamespace
@@ -108,6 +110,50 @@ def test_completion_logprobs_equal_the_pipeline_whole_and_streamed(served, refer
     assert [o for p in parts for o in p.text_offset] == lp.text_offset
     assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in
                zip([v for p in parts for v in p.token_logprobs], lp.token_logprobs, strict=True))
+
+
+@pytest.fixture(scope="module")
+def ar_served(tiny_pair, tmp_path_factory):
+    """The same pair served without drafting (`serve --no-draft`)."""
+    from test_tool_calls import serving
+
+    from ovdflash import DFlashPipeline
+    from ovdflash.server.wiring import build_server_app
+
+    pipe = DFlashPipeline.from_pretrained(tiny_pair, cache_dir=tmp_path_factory.mktemp("lp_ar_cache"))
+    with serving(build_server_app(pipe, ["tiny"], draft=False)) as url:
+        yield SimpleNamespace(url=url, client=openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                                                            timeout=120))
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.8, "top_p": 0.9, "seed": 5}],
+                         ids=["greedy", "seeded"])
+def test_dflash_and_ar_servers_give_the_same_tokens_and_logprobs_with_and_without_penalties(
+        served, ar_served, sampling):
+    def chat(server, processing, stream=False):
+        return server.client.chat.completions.create(model="tiny", messages=MSG, max_tokens=20, logprobs=True,
+                                                     top_logprobs=3, stream=stream, **sampling, **processing)
+
+    texts = []
+    for processing in (CLIENT_PROCESSING, {}):
+        dflash, ar = chat(served, processing), chat(ar_served, processing)
+        assert dflash.usage.model_extra["spec_decode"]["num_drafts"] > 0
+        assert ar.usage.model_extra["spec_decode"]["num_drafts"] == 0
+        assert dflash.choices[0].message.content == ar.choices[0].message.content
+        assert_same_entries(dflash.choices[0].logprobs.content, ar.choices[0].logprobs.content)
+        streamed = [e for c in chat(served, processing, stream=True) if c.choices and c.choices[0].logprobs
+                    for e in c.choices[0].logprobs.content]
+        assert_same_entries(streamed, ar.choices[0].logprobs.content)
+        texts.append(ar.choices[0].message.content)
+
+        def complete(server):
+            return server.client.completions.create(model="tiny", prompt=[5, 9, 13, 200, 7], max_tokens=16,
+                                                    logprobs=2, **sampling, **processing).choices[0]
+        dflash, ar = complete(served), complete(ar_served)
+        assert (dflash.text, dflash.logprobs.tokens) == (ar.text, ar.logprobs.tokens)
+        assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in
+                   zip(dflash.logprobs.token_logprobs, ar.logprobs.token_logprobs, strict=True))
+    assert texts[0] != texts[1]  # the penalties and bias changed the reply
 
 
 def test_logit_bias_forces_a_token_and_no_logprobs_means_null(served, reference):

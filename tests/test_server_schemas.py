@@ -8,8 +8,11 @@ within its budget and every completed one parses and validates (jsonschema) or m
 without the schema do not validate (the random model writes no JSON of its own); the DFlash server drafted
 and its replies are the AR server's token for token. tool_choice "required" and a named function on 20
 prompts each give one call, of the right function, whose arguments validate against its parameters schema,
-under a hermes template and under a qwen3_xml one. Slow: the same schema checks on the embedded SmolLM2 pair
-with its trained drafter.
+under a hermes template and under a qwen3_xml one, with `usage.spec_decode` showing drafted rounds;
+streamed, the call's deltas reassemble to it, its arguments arriving in several pieces. Slow,
+on the embedded SmolLM2 pair with its trained drafter: the same schema checks; and DFlash against AR with
+logprobs, penalties (which change the reply), n=3 seeded twice, and named tool calls under a hermes
+template (whole and streamed in pieces).
 """
 import json
 import re
@@ -151,24 +154,48 @@ def tool_client(request, tiny_pair, tmp_path_factory):
     app = build_server_app(pipe, ["m"], block_size=4)
     assert app.state.tool_format == request.param
     with serving(app) as url:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+        yield SimpleNamespace(format=request.param, client=openai.OpenAI(base_url=url + "/v1", api_key="none",
+                                                                         max_retries=0, timeout=600))
+
+
+def streamed_call(client, drafted=True, **request) -> tuple[str, str, int, str]:
+    """(name, arguments, how many argument pieces followed the call's first delta, finish_reason) of a streamed
+    reply holding one call, its deltas merged as a client merges them; its usage chunk shows whether it drafted."""
+    deltas, finish, usage = [], None, None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **request):
+        if chunk.choices:
+            deltas += chunk.choices[0].delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    assert deltas and {d.index for d in deltas} == {0} and deltas[0].id.startswith("call_")
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    assert (usage.model_extra["spec_decode"]["num_drafts"] > 0) == drafted
+    return deltas[0].function.name, "".join(d.function.arguments for d in deltas), len(deltas) - 1, finish
 
 
 @pytest.mark.parametrize("named", [False, True], ids=["required", "named"])
 def test_forced_tool_calls_on_twenty_prompts_name_the_right_function_with_valid_arguments(tool_client, named):
+    """Whole and streamed: the streamed call reassembles to the whole one, its arguments coming in pieces as
+    the rounds accept them."""
+    client, pieces = tool_client.client, []
     for i, (prompt, _) in enumerate(SCHEMA_TASKS):
         want = TOOLS[i % len(TOOLS)]["function"]["name"]
         tool_choice = {"type": "function", "function": {"name": want}} if named else "required"
-        reply = tool_client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": prompt}], tools=TOOLS, tool_choice=tool_choice,
-            temperature=0, max_tokens=CALL_MAX_TOKENS)
+        request = dict(model="m", messages=[{"role": "user", "content": prompt}], tools=TOOLS,
+                       tool_choice=tool_choice, temperature=0, max_tokens=CALL_MAX_TOKENS)
+        reply = client.chat.completions.create(**request)
         choice = reply.choices[0]
         assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, (prompt, choice)
+        assert reply.usage.model_extra["spec_decode"]["num_drafts"] > 0
         call = choice.message.tool_calls[0].function
         assert (call.name == want) if named else (call.name in PARAMETERS), call.name
         jsonschema.validate(json.loads(call.arguments), PARAMETERS[call.name])
-    unforced = tool_client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
-                                                   tools=TOOLS, temperature=0, max_tokens=16)
+        name, arguments, num_pieces, finish = streamed_call(client, **request)
+        assert (name, arguments, finish) == (call.name, call.arguments, "tool_calls"), prompt
+        pieces.append(num_pieces)
+    assert min(pieces) > 1, pieces
+    unforced = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+                                              tools=TOOLS, temperature=0, max_tokens=16)
     assert not unforced.choices[0].message.tool_calls  # "auto": the random model writes no call of its own
 
 
@@ -186,3 +213,60 @@ def test_twenty_schemas_on_the_embedded_model_validate_and_dflash_equals_ar(tmp_
     for got in (dflash, ar):
         check_schema_answers(got, least_complete=19)
     check_dflash_equals_ar(dflash, ar)
+
+
+@pytest.mark.slow
+def test_agent_features_on_the_embedded_model_dflash_equals_ar(tmp_path_factory):
+    """The embedded pair (strict f32) served with DFlash and with --no-draft, through the official client:
+    logprobs and top_logprobs equal, with penalties and logit bias (which change the reply) and without,
+    greedy and seeded; n=3 seeded repeats; with a hermes template, a named tool_choice gives the same valid
+    call under both, its streamed deltas reassemble to it and its arguments arrive in pieces."""
+    from ovdflash_models.default import ensure_default_model
+    from test_server_logprobs import assert_same_entries
+    from test_tool_calls import HERMES_TEMPLATE, serving
+
+    from ovdflash import STRICT_F32, DFlashPipeline
+    from ovdflash.server.wiring import build_server_app
+
+    pipe = DFlashPipeline.from_pretrained(ensure_default_model(), **STRICT_F32)
+    pipe.tokenizer.chat_template = HERMES_TEMPLATE  # SmolLM2's own template teaches no tool format
+    messages = [{"role": "user", "content": "Give me three tips for a rainy day."}]
+    processing = {"presence_penalty": 1.0, "frequency_penalty": 0.8, "logit_bias": {"30": -100, "28": 5}}
+    weather = tool("get_weather", {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 24}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "units": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "days", "units"],
+        "additionalProperties": False})
+    cities = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo"]
+    replies = {}
+    for draft in (None, False):
+        with serving(build_server_app(pipe, ["m"], block_size=8, draft=draft)) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+            got = replies[draft] = {}
+            for name, sampling in (("greedy", {"temperature": 0}), ("seeded", {"temperature": 0.8, "seed": 3})):
+                for extra in ({}, processing):
+                    got[name, bool(extra)] = client.chat.completions.create(
+                        model="m", messages=messages, max_tokens=40, logprobs=True, top_logprobs=3,
+                        **sampling, **extra).choices[0]
+            got["n"] = [[c.message.content for c in client.chat.completions.create(
+                model="m", messages=messages, max_tokens=24, n=3, temperature=1.0, seed=11).choices]
+                for _ in range(2)]
+            got["calls"] = []
+            for city in cities:
+                request = dict(model="m", messages=[{"role": "user", "content": f"What is the weather in {city}?"}],
+                               tools=[weather], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                               temperature=0, max_tokens=64)
+                choice = client.chat.completions.create(**request).choices[0]
+                assert choice.finish_reason == "tool_calls", choice
+                [call] = choice.message.tool_calls
+                jsonschema.validate(json.loads(call.function.arguments), weather["function"]["parameters"])
+                name, arguments, num_pieces, finish = streamed_call(client, draft is None, **request)
+                assert (name, arguments, finish) == (call.function.name, call.function.arguments, "tool_calls")
+                assert num_pieces > 1
+                got["calls"].append((call.function.name, call.function.arguments))
+    dflash, ar = replies[None], replies[False]
+    for key in [k for k in dflash if isinstance(k, tuple)]:
+        assert dflash[key].message.content == ar[key].message.content, key
+        assert_same_entries(dflash[key].logprobs.content, ar[key].logprobs.content)
+    assert dflash["greedy", True].message.content != dflash["greedy", False].message.content
+    assert dflash["n"][0] == dflash["n"][1] == ar["n"][0] and len(set(dflash["n"][0])) > 1
+    assert dflash["calls"] == ar["calls"]

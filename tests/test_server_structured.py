@@ -3,9 +3,10 @@
 Checked, one request at a time and batched: a chat with `response_format` json_schema gets content that
 parses and validates against the schema (jsonschema), streamed or whole, with `usage.spec_decode` showing
 drafted rounds, while the same request without it does not validate; json_object gives a JSON object;
-vLLM's `structured_outputs` regex and choice on completions give text that matches; an invalid schema,
-regex or grammar, two constraints at once, or a json_schema without its schema is a 400 naming the field
-in one line; /metrics counts the structured requests by kind. With a hermes chat template, tool_choice
+vLLM's `structured_outputs` regex, choice and a Lark grammar on completions give text that matches; an
+invalid schema, regex or grammar, a regex feature llguidance lacks (look-ahead, a backreference: the cause
+named), two constraints at once, or a json_schema without its schema is a 400 naming the field in one
+line; /metrics counts the structured requests by kind. With a hermes chat template, tool_choice
 "required" or a named function gives one call of those tools whose arguments validate against its schema,
 where "auto" gives none.
 """
@@ -83,9 +84,13 @@ def test_json_object_gives_an_object(served):
         assert reply.choices[0].message.content.startswith("{")
 
 
-def test_structured_outputs_regex_and_choice_on_completions(served):
+LARK = 'start: day " " sky\nday: "mon" | "tue" | NUM\nsky: "sunny" | "rainy"\nNUM: /[0-9]{1,2}/'
+
+
+def test_structured_outputs_regex_choice_and_grammar_on_completions(served):
     for body, fits in (({"regex": "[a-c]{2,4}-[0-9]{3}"}, lambda t: re.fullmatch("[a-c]{2,4}-[0-9]{3}", t)),
-                       ({"choice": ["sunny", "rainy", "windy"]}, lambda t: t in ("sunny", "rainy", "windy"))):
+                       ({"choice": ["sunny", "rainy", "windy"]}, lambda t: t in ("sunny", "rainy", "windy")),
+                       ({"grammar": LARK}, lambda t: re.fullmatch("(mon|tue|[0-9]{1,2}) (sunny|rainy)", t))):
         for seed in range(3):
             reply = served.client.completions.create(model="tiny", prompt="The weather today is", max_tokens=30,
                                                      temperature=1.0, seed=seed,
@@ -98,11 +103,14 @@ def test_structured_outputs_regex_and_choice_on_completions(served):
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
     ({"extra_body": {"structured_outputs": {"regex": "[a-"}}}, "structured_outputs.regex"),
+    ({"extra_body": {"structured_outputs": {"regex": "[a-z]+(?=!)"}}}, "structured_outputs.regex"),
+    ({"extra_body": {"structured_outputs": {"regex": "(a|b)c\\1"}}}, "structured_outputs.regex"),
     ({"extra_body": {"structured_outputs": {"grammar": "start: undefined_rule"}}}, "structured_outputs.grammar"),
     ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "structured_outputs"),
     ({"response_format": {"type": "json_object"}, "extra_body": {"structured_outputs": {"regex": "a"}}},
      "structured_outputs"),
-], ids=["schema", "no_schema", "regex", "grammar", "two_kinds", "both_fields"])
+], ids=["schema", "no_schema", "regex", "regex_lookahead", "regex_backreference", "grammar", "two_kinds",
+        "both_fields"])
 def test_a_bad_constraint_is_a_400_naming_its_field(served, kwargs, param):
     import openai
 
@@ -110,9 +118,11 @@ def test_a_bad_constraint_is_a_400_naming_its_field(served, kwargs, param):
         chat(served, **kwargs)
     assert err.value.param == param
     assert param in err.value.body["message"] and "\n" not in err.value.body["message"]
+    if "(?=" in str(kwargs) or "\\1" in str(kwargs):  # a feature llguidance lacks: the cause is named
+        assert "not supported" in err.value.body["message"], err.value.body["message"]
 
 
-def test_metrics_count_structured_requests_by_kind(served):
+def test_metrics_count_structured_requests_by_kind_and_forced_tokens(served):
     import httpx
 
     def count(kind):
@@ -120,11 +130,18 @@ def test_metrics_count_structured_requests_by_kind(served):
         found = re.search(r'ovdflash:structured_requests_total\{kind="%s",model_name="tiny"\} ([0-9.]+)' % kind, text)
         return float(found.group(1)) if found else 0.0
 
-    before = count("json"), count("regex")
-    chat(served, response_format=JSON_SCHEMA_FORMAT)
-    chat(served, extra_body={"structured_outputs": {"regex": "[ab]{3}"}})
-    chat(served)
+    def forced():
+        text = httpx.get(served.url + "/metrics").text
+        found = re.search(r'ovdflash:spec_decode_num_forced_draft_tokens_total\{model_name="tiny"\} ([0-9.]+)', text)
+        return float(found.group(1)) if found else 0.0
+
+    before = count("json"), count("regex"), forced()
+    replies = [chat(served, response_format=JSON_SCHEMA_FORMAT),
+               chat(served, extra_body={"structured_outputs": {"regex": "[ab]{3}"}}), chat(served)]
     assert (count("json"), count("regex")) == (before[0] + 1, before[1] + 1)
+    spent = [r.usage.model_extra["spec_decode"]["num_forced_draft_tokens"] for r in replies]
+    assert spent[0] > 0 and spent[2] == 0  # the schema forces its keys; nothing forces an unconstrained reply
+    assert forced() == before[2] + sum(spent)
 
 
 # -- tool_choice "required" / a named function: held to a call grammar (hermes template on the real pair) -------

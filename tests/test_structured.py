@@ -3,8 +3,8 @@
 On a toy grammar (tokens strictly increasing) the round's pieces do what their contract says: drafts
 are cut at the first forbidden one, row i is masked by the state after drafts[:i], the matcher holds
 exactly the chosen tokens after acceptance. On the tiny random pair under STRICT_F32 (as
-tests/test_lossless.py), with llguidance grammars (a JSON schema, a regex, a choice): greedy DFlash
-equals greedy AR token for token at blocks 4 and 8 with an oracle drafter that gets partial accepts,
+tests/test_lossless.py), with llguidance grammars (a JSON schema, a regex, a choice, a Lark grammar):
+greedy DFlash equals greedy AR token for token at blocks 4 and 8 with an oracle drafter that gets partial accepts,
 and with the real drafter; seeded sampling and its logprobs too; the batch scheduler gives the same
 tokens; the constrained text parses and validates while the unconstrained text does not; sampled
 DFlash strings follow the constrained AR distribution (chi-square); a bad spec is a one-line error; tokens
@@ -33,7 +33,11 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "x-guidance": {"whitespace_flexible": False}}
 REGEX = r"[ab]{2,4}-[0-9]{3}"
 CHOICES = ["alpha", "beta", "gamma delta", "zeta"]
-GRAMMARS = {"json": {"json": SCHEMA}, "regex": {"regex": REGEX}, "choice": {"choice": CHOICES}}
+# a Lark grammar (llguidance's syntax): rules, alternatives, an optional part and a lexeme
+LARK = 'start: item "," item "," item ("," item)?\nitem: "red" | "green" | "blue" | NUM\nNUM: /[0-9]{1,3}/'
+LARK_TEXT = r"(red|green|blue|[0-9]{1,3})(,(red|green|blue|[0-9]{1,3})){2,3}"
+GRAMMARS = {"json": {"json": SCHEMA}, "regex": {"regex": REGEX}, "choice": {"choice": CHOICES},
+            "grammar": {"grammar": LARK}}
 SAMPLED = {"temperature": 0.9, "top_k": 40, "top_p": 0.95}
 
 
@@ -47,6 +51,8 @@ def fits(kind: str, text: str) -> bool:
         return True
     if kind == "regex":
         return re.fullmatch(REGEX, text) is not None
+    if kind == "grammar":
+        return re.fullmatch(LARK_TEXT, text) is not None
     return text in CHOICES
 
 

@@ -5,12 +5,18 @@ Checked, parsers: the format each family's chat template teaches is detected fro
 and llama3_json replies give the calls and content a client expects; malformed calls (invalid JSON, unknown
 names, unclosed blocks, garbage) stay content character for character and never raise; parallel False keeps
 the first call; a reply streamed in two pieces cut at every character, and one character at a time, gives
-exactly the whole reply's content and calls, and holds back only what may still become a call.
+exactly the whole reply's content and calls, and holds back only what may still become a call; calls
+(hermes and llama3_json written name first, qwen3_xml) stream their arguments in pieces that the completed
+call begins with (qwen3_xml: string values as they come, other values whole), and a started call that
+turns out malformed (fuzzed) leaves pieces that never parse, its text content.
 
 Checked, served: on a deterministic stand-in for the model (`ScriptedBackend`: the reply is the test's,
 the prompt is rendered by the real tokenizer and chat template), `message.tool_calls` (ids, names,
 arguments), finish_reason "tool_calls", content outside the calls, parallel calls and parallel_tool_calls
-false, garbage as content, the streamed deltas equal the whole answer; earlier calls and tool results
+false, garbage as content, the streamed deltas equal the whole answer; a long call streamed (hermes,
+llama3_json and qwen3_xml) opens with index, id, type and name, then sends its arguments in several pieces that the
+client's stream helper reassembles to the whole answer's call, content before it first; SERVING.md's agent
+loop runs as written (a calculator call, its result sent back, the answer); earlier calls and tool results
 rendered into the prompt; tool_choice "none" renders without parsing, "required" and a named function are a
 400 naming tool_choice where they cannot be held (an unknown name, with response_format); a Llama-3 template
 reads JSON replies. The qwen3_xml call grammar takes calls of the offered functions with their parameters
@@ -30,6 +36,9 @@ from types import SimpleNamespace
 import pytest
 
 from ovdflash.server.tool_calls import (
+    ArgumentsDelta,
+    CallStart,
+    ParsedReply,
     ToolCall,
     detect_tool_format,
     new_parser,
@@ -49,6 +58,11 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 def hermes_call(name, arguments) -> str:
     return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+def xml_call(name: str, *parameters: tuple[str, str]) -> str:
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in parameters)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
 
 
 WEATHER = hermes_call("get_weather", {"city": "Paris", "days": 2})
@@ -107,11 +121,32 @@ def parse(fmt, text, parallel=True):
 
 
 def streamed(fmt, pieces, parallel=True):
-    """(content, calls) of a reply fed in `pieces`, merged as a client merges the stream."""
+    """(content, calls) of a reply fed in `pieces`, merged as a client merges the stream; the streamed
+    arguments checked against the calls that complete them (check_started_calls)."""
     parser = new_parser(fmt, SCHEMAS, parallel)
     events = [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
+    check_started_calls(events)
     content = "".join(e for e in events if isinstance(e, str))
     return content, [e for e in events if isinstance(e, ToolCall)]
+
+
+def check_started_calls(events) -> dict[int, str]:
+    """Each CallStart's arguments pieces come after it; the ToolCall that completes it begins with them; one
+    never completed has pieces that never parse. The arguments sent by key."""
+    sent: dict[int, str] = {}
+    for event in events:
+        if isinstance(event, CallStart):
+            assert event.key not in sent and event.name in SCHEMAS
+            sent[event.key] = ""
+        elif isinstance(event, ArgumentsDelta):
+            assert event.text
+            sent[event.key] += event.text
+        elif isinstance(event, ToolCall) and event.started is not None:
+            assert event.arguments.startswith(sent.pop(event.started)) and event.arguments.endswith("}")
+    for arguments in sent.values():  # started, never completed
+        with pytest.raises(ValueError):
+            json.loads(arguments)
+    return sent
 
 
 # -- detection -------------------------------------------------------------------------------------------------
@@ -161,7 +196,8 @@ def test_parallel_false_keeps_only_the_first_call():
 def test_garbage_never_raises_and_is_content_unless_it_holds_a_call():
     fragments = ["<tool_call>", "</tool_call>", "<tool_", "call>", "{", "}", "\"name\"", ": ", "\"now\"", ",",
                  "\"arguments\"", "{}", "\n", " ", "<function=now>", "</function>", "<parameter=x>", "</parameter>",
-                 "<|python_tag|>", ";", "[", "]", "abc", "\u00e9\u4f60", "\ufffd"]
+                 "<|python_tag|>", ";", "[", "]", "abc", "\u00e9\u4f60", "\ufffd", '{"name": "now", "arguments": ',
+                 '{"name": "get_weather", "parameters": ', '"city": ', '"\\"', "\\"]
     rng = random.Random(0)
     for _ in range(400):
         text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 14)))
@@ -171,6 +207,7 @@ def test_garbage_never_raises_and_is_content_unless_it_holds_a_call():
                 assert reply.content == text, (fmt, text)
             cut = rng.randint(0, len(text))
             assert streamed(fmt, [text[:cut], text[cut:]]) == (reply.content or "", reply.tool_calls), (fmt, text)
+            assert streamed(fmt, list(text)) == (reply.content or "", reply.tool_calls), (fmt, text)
 
 
 # -- streaming -------------------------------------------------------------------------------------------------
@@ -198,6 +235,108 @@ def test_streaming_holds_back_only_what_may_become_a_call():
     assert llama.feed("Sure") == ["Sure"] and llama.feed(", here") == [", here"]
     llama = new_parser("llama3_json", SCHEMAS)
     assert llama.feed('{"name": "now", ') == [] and llama.finish() == ['{"name": "now", ']
+
+
+LONG_ARGUMENTS = {"city": "Saint-Pierre-et-Miquelon", "days": 7, "units": {"temperature": "C", "wind": "km/h"}}
+
+
+def xml_weather(arguments: dict) -> str:
+    values = {k: v if isinstance(v, str) else json.dumps(v) for k, v in arguments.items()}
+    return xml_call("get_weather", *values.items())
+
+
+@pytest.mark.parametrize("fmt,reply", [
+    ("hermes", "Let me look that up.\n" + hermes_call("get_weather", LONG_ARGUMENTS) + "\n" + NOW),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": ' + json.dumps(LONG_ARGUMENTS) + "}"),
+    ("qwen3_xml", "Let me look that up.\n" + xml_weather(LONG_ARGUMENTS) + "\n" + xml_call("now")),
+], ids=["hermes", "llama3_json", "qwen3_xml"])
+def test_calls_stream_their_arguments_as_they_arrive(fmt, reply):
+    """A call starts once its name is read, its arguments follow in pieces (all but the closing brace), and
+    the call that completes it carries the rest; text before it went out as content."""
+    parser = new_parser(fmt, SCHEMAS)
+    events = [e for i in range(0, len(reply), 4) for e in parser.feed(reply[i:i + 4])] + parser.finish()
+    check_started_calls(events)
+    start = next(i for i, e in enumerate(events) if isinstance(e, CallStart))
+    assert events[start].name == "get_weather"
+    assert "".join(e for e in events[:start] if isinstance(e, str)) == (
+        "" if fmt == "llama3_json" else "Let me look that up.")
+    pieces = [e.text for e in events if isinstance(e, ArgumentsDelta) and e.key == events[start].key]
+    assert len(pieces) > 10
+    [call] = [e for e in events if isinstance(e, ToolCall) and e.started == events[start].key]
+    assert call.arguments == "".join(pieces) + "}" and json.loads(call.arguments) == LONG_ARGUMENTS
+    assert calls_of(parse_reply(new_parser(fmt, SCHEMAS), reply))[0] == ("get_weather", LONG_ARGUMENTS)
+    # the same call cut short, or followed by what makes it no call: its text is content, its pieces never parse
+    for broken in (reply[:-1] if fmt == "llama3_json" else reply[:reply.index("</tool_call>")],
+                   reply + (" and more" if fmt == "llama3_json" else "")):
+        if broken == reply:
+            broken = reply.replace('"days": 7', '"days": 7 7') if fmt == "hermes" else \
+                reply.replace("<parameter=units>", "oops <parameter=units>")
+        parser = new_parser(fmt, SCHEMAS)
+        events = [e for i in range(0, len(broken), 4) for e in parser.feed(broken[i:i + 4])] + parser.finish()
+        assert len(check_started_calls(events)) == 1  # the first call: started, never completed
+        whole = parse_reply(new_parser(fmt, SCHEMAS), broken)
+        assert "".join(e for e in events if isinstance(e, str)) == (whole.content or "")
+        assert [e for e in events if isinstance(e, ToolCall)] == whole.tool_calls
+
+
+def test_calls_with_a_character_changed_stream_as_their_whole_reply_reads():
+    """Valid calls with one character deleted, doubled or replaced, fed in random pieces: content and
+    completed calls equal the whole reply's, and what a started call sent that never completed never parses."""
+    rng = random.Random(1)
+    replies = [("hermes", "Sure.\n" + hermes_call("get_weather", LONG_ARGUMENTS) + "\n" + NOW + "\nok"),
+               ("llama3_json", '{"name": "get_weather", "parameters": ' + json.dumps(LONG_ARGUMENTS) + '}; '
+                               '{"name": "now", "parameters": {}}'),
+               ("qwen3_xml", "Sure.\n" + xml_weather({**LONG_ARGUMENTS, "city": "a\\b \"c\"\n\u00e9"}) + "\n"
+                             + xml_call("now") + "\nok")]
+    outcomes = set()
+    for fmt, reply in replies:
+        for _ in range(300):
+            i = rng.randrange(len(reply))
+            text = rng.choice([reply[:i] + reply[i + 1:], reply[:i] + reply[i] + reply[i:],
+                               reply[:i] + rng.choice('{}[]",:\\ x\n') + reply[i + 1:]])
+            cuts = sorted(rng.sample(range(len(text) + 1), 4))
+            pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])] if rng.random() < 0.8 else list(text)
+            whole = parse(fmt, text)
+            assert streamed(fmt, pieces) == (whole.content or "", whole.tool_calls), (fmt, text)
+            outcomes.add(len(whole.tool_calls))
+    assert outcomes >= {0, 1, 2}  # broken, partly broken and intact replies were all met
+
+
+def test_only_json_calls_written_name_first_stream():
+    for fmt, reply in [("hermes", '<tool_call>\n{"arguments": {"city": "Oslo"}, "name": "get_weather"}\n</tool_call>'),
+                       ("hermes", '<tool_call>[{"name": "now", "arguments": {}}]</tool_call>'),
+                       ("hermes", '<tool_call>\n{"name": "now", "arguments": "{}"}\n</tool_call>'),
+                       ("llama3_json", '{"type": "function", "parameters": {}, "name": "now"}')]:
+        parser = new_parser(fmt, SCHEMAS)
+        events = [e for ch in reply for e in parser.feed(ch)] + parser.finish()
+        [call] = events
+        assert isinstance(call, ToolCall) and call.started is None, (fmt, reply)
+    # a repeated key contradicting the call's head, a repeated XML parameter: no call, the text is content
+    for fmt, repeated in [("hermes", '<tool_call>\n{"name": "now", "arguments": {}, "arguments": {"x": 1}}\n</tool_call>'),
+                          ("qwen3_xml", xml_call("get_weather", ("city", "Oslo"), ("city", "Rome")))]:
+        assert parse(fmt, repeated) == ParsedReply(repeated, [])
+
+
+def test_qwen3_xml_values_stream_as_text_or_whole_by_their_schema():
+    """A string value streams as its characters arrive (the newlines the format puts around it and a tail
+    that may be `</parameter>` held back); a value the schema reads as JSON, or an enum with non-string
+    members, comes whole at `</parameter>`."""
+    tools = {"f": {"type": "object", "properties": {"s": {"type": "string"}, "n": {"type": "integer"},
+                                                     "e": {"enum": [1, "two"]}, "any": {}}}}
+    parser = new_parser("qwen3_xml", tools)
+    sent = []
+
+    def feed(text):
+        sent.extend(e.text for e in parser.feed(text) if isinstance(e, ArgumentsDelta))
+        return "".join(sent)
+    assert feed("<tool_call>\n<function=f>\n<parameter=s>\nab") == '{"s": "ab'
+    assert feed("c\n</param") == '{"s": "abc'       # the newline and the tag's start wait
+    assert feed("eter>\n<parameter=n>\n4") == '{"s": "abc", "n": '
+    assert feed("2\n</parameter>\n<parameter=e>\n1\n</parameter>") == '{"s": "abc", "n": 42, "e": 1'
+    assert feed("\n<parameter=any>\nx\ty\n</parameter>\n") == '{"s": "abc", "n": 42, "e": 1, "any": "x\\ty"'
+    [call] = parser.feed("</function>\n</tool_call>")
+    assert call.started == 0 and call.arguments == "".join(sent) + "}"
+    assert json.loads(call.arguments) == {"s": "abc", "n": 42, "e": 1, "any": "x\ty"}
 
 
 # -- served: a deterministic stand-in for the model --------------------------------------------------------------
@@ -249,14 +388,21 @@ LLAMA3_TEMPLATE = r"""{{- bos_token }}
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"""
 
 
+# the same, teaching Qwen3.5's XML calls
+XML_TEMPLATE = HERMES_TEMPLATE.replace('{"name": <function-name>, "arguments": <args-json-object>}',
+                                       "<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>")
+
+
 class ScriptedBackend:
-    """Stands in for the model behind the real engine and app: each request's reply is `reply` (set by the test
-    before the request), sent `piece_chars` characters per step; `prompts` are the rendered prompts it got."""
+    """Stands in for the model behind the real engine and app: each request's reply is the next of `replies`,
+    else `reply` (set by the test before the request), sent `piece_chars` characters per step; `prompts` are
+    the rendered prompts it got."""
 
     def __init__(self, tokenizer, piece_chars: int = 3, max_length: int = 4096):
         self.pipeline = SimpleNamespace(tokenizer=tokenizer, target=SimpleNamespace(max_length=max_length),
                                         vocab_size=tokenizer.vocab_size)
         self.reply, self.finish_reason, self.piece_chars = "", "stop", piece_chars
+        self.replies: deque = deque()  # the next requests' replies, in turn, before `reply`
         self.prompts: list[str] = []
         self._running: deque = deque()  # [request id, reply, characters sent]
 
@@ -271,7 +417,8 @@ class ScriptedBackend:
 
     def add(self, request_id, prompt_ids, params):
         self.prompts.append(self.pipeline.tokenizer.decode(prompt_ids, skip_special_tokens=False))
-        self._running.append([request_id, self.reply, 0])
+        reply = self.replies.popleft() if self.replies else self.reply
+        self._running.append([request_id, reply, 0])
 
     def abort(self, request_id):
         from ovdflash.decode.stats import GenerationStats
@@ -390,7 +537,12 @@ def test_garbage_from_the_model_is_plain_content(scripted, reply):
     choice = choice_of(ask(scripted, reply))
     assert choice.message.content == reply and not choice.message.tool_calls and choice.finish_reason == "stop"
     content, calls, finish, _ = ask_streamed(scripted, reply)
-    assert (content, calls, finish) == (reply, [], "stop")
+    assert (content, finish) == (reply, "stop")
+    # only the unclosed call began streaming (its name was read): what it sent of its arguments never parses
+    assert [name for _, name, _ in calls] == (["now"] if reply.startswith('<tool_call>\n{"name": "now"') else [])
+    for _, _, arguments in calls:
+        with pytest.raises(ValueError):
+            json.loads(arguments)
 
 
 @pytest.mark.parametrize("reply", [WEATHER, "Checking.\n" + WEATHER + "\n" + NOW + "\nDone.", "no call here",
@@ -404,6 +556,71 @@ def test_the_streamed_deltas_equal_the_whole_answer(scripted, reply):
     assert all(call_id.startswith("call_") for call_id, _, _ in calls)
     assert finish == whole.finish_reason
     assert chunks[0].choices[0].delta.role == "assistant"
+
+
+def tool_call_deltas(chunks) -> list:
+    return [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or []]
+
+
+def check_streamed_arguments(client, **request):
+    """A long call streamed to the official client: text before it comes as content first; its first delta
+    has index, id, type, name and empty arguments, the later ones argument pieces only, more than one; the
+    client's stream helper reassembles the non-streamed answer's call."""
+    whole = choice_of(client.chat.completions.create(**request))
+    [want] = whole.message.tool_calls
+    chunks = list(client.chat.completions.create(stream=True, **request))
+    first_call = next(i for i, c in enumerate(chunks) if c.choices and c.choices[0].delta.tool_calls)
+    before = "".join(c.choices[0].delta.content or "" for c in chunks[:first_call] if c.choices)
+    assert before == (whole.message.content or "")
+    opening, *pieces = tool_call_deltas(chunks)
+    assert (opening.index, opening.type, opening.function.name, opening.function.arguments) == \
+        (0, "function", want.function.name, "") and opening.id.startswith("call_")
+    assert len(pieces) > 1 and all(p.index == 0 and p.id is None and p.function.name is None for p in pieces)
+    assert "".join(p.function.arguments for p in pieces) == want.function.arguments
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason == "tool_calls"
+
+    with client.chat.completions.stream(**request) as stream:
+        argument_events = [e for e in stream if e.type == "tool_calls.function.arguments.delta"]
+        final = stream.get_final_completion().choices[0].message
+    assert len(argument_events) > 1 and (final.content or "") == (whole.message.content or "")
+    assert [(c.function.name, c.function.arguments) for c in final.tool_calls] == \
+        [(want.function.name, want.function.arguments)]
+
+
+def test_a_streamed_call_sends_its_arguments_in_pieces(scripted):
+    scripted.backend.reply = "Let me look that up.\n" + hermes_call("get_weather", LONG_ARGUMENTS)
+    check_streamed_arguments(scripted.client, model="tiny", messages=ASK, tools=TOOLS)
+
+
+def test_a_streamed_qwen3_xml_call_sends_its_arguments_in_pieces():
+    openai = pytest.importorskip("openai")
+    app, backend = scripted_app(XML_TEMPLATE)
+    assert app.state.tool_format == "qwen3_xml"
+    with serving(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        backend.reply = "Let me look that up.\n" + xml_weather(LONG_ARGUMENTS)
+        check_streamed_arguments(client, model="tiny", messages=ASK, tools=TOOLS)
+
+
+def test_the_agent_loop_in_serving_md_runs(scripted, capsys):
+    """SERVING.md's agent loop, as written, against the server: the model calls the calculator, gets its
+    result as a tool message, and answers."""
+    import pathlib
+    import re
+
+    serving_md = (pathlib.Path(__file__).parents[1] / "docs" / "SERVING.md").read_text()
+    section = serving_md[serving_md.index("#### An agent loop"):]
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    assert 'base_url="http://127.0.0.1:8000/v1"' in code
+    code = code.replace("http://127.0.0.1:8000", scripted.url)
+    scripted.backend.replies.extend([
+        "I will compute it.\n" + hermes_call("calculator", {"expression": "17 * (3 + 4) - 5"}),
+        "17 * (3 + 4) - 5 = 114."])
+    before = len(scripted.backend.prompts)
+    exec(compile(code, "SERVING.md", "exec"), {})
+    assert capsys.readouterr().out == "17 * (3 + 4) - 5 = 114.\n"
+    second = scripted.backend.prompts[before + 1]
+    assert '"name": "calculator"' in second and "<tool_response>\n114\n</tool_response>" in second
 
 
 def test_a_stream_cut_by_max_tokens_keeps_finish_reason_length(scripted):
@@ -489,11 +706,6 @@ def xml_tokenizer():
     return Tokenizer(train_tiny_tokenizer(512), eos_token="<|im_end|>")
 
 
-def xml_call(name: str, *parameters: tuple[str, str]) -> str:
-    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in parameters)
-    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
-
-
 @pytest.mark.parametrize("text,arguments", [
     (xml_call("get_weather", ("city", "New York"), ("days", "3")), ("get_weather", {"city": "New York", "days": 3})),
     (xml_call("get_weather", ("city", "a\nb"), ("days", "7"), ("units", "F"), ("level", "2"), ("opts", '{"a": true}')),
@@ -542,6 +754,8 @@ def test_a_llama3_template_reads_json_replies():
         backend.reply = "It is cold in Oslo."
         assert choice_of(client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS)).message.content \
             == "It is cold in Oslo."
+        backend.reply = '<|python_tag|>{"name": "get_weather", "parameters": ' + json.dumps(LONG_ARGUMENTS) + "}"
+        check_streamed_arguments(client, model="tiny", messages=ASK, tools=TOOLS)
 
 
 # -- served: the real tiny pair ----------------------------------------------------------------------------------

@@ -184,7 +184,9 @@ class SequenceState:
                 confidence = np.concatenate([np.ones(len(forced)), confidence[len(forced):]])
         if confidence is not None and self.draft_cut is not None and len(drafts) > 1:
             drafts = drafts[: self.draft_cut.cut(confidence[: len(drafts)])]
-        return self._allowed_drafts(drafts), False
+        drafts = self._allowed_drafts(drafts)
+        self.stats.num_forced_draft_tokens += min(len(forced), len(drafts))
+        return drafts, False
 
     def _allowed_drafts(self, drafts: np.ndarray) -> np.ndarray:
         # a draft the grammar forbids would be rejected anyway: verifying it only costs time

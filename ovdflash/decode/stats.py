@@ -12,6 +12,8 @@ and `GenerationStats.merge` folds calls into a cumulative total. Counters:
 - acceptance_length_histogram[n]: rounds that emitted n tokens (n = accepted + 1).
 - num_lookup_drafts, num_lookup_draft_tokens, num_lookup_accepted_tokens: the part of the three
   counters above whose drafts came from n-gram lookup (ovdflash.decode.lookup) instead of the drafter.
+- num_forced_draft_tokens: the part of num_draft_tokens that a grammar forced (structured outputs: the
+  only tokens it allowed next, drafted in place of the drafter's guesses, and so always accepted).
 - num_cached_prompt_tokens: prompt tokens whose KV the previous call left in the runners and
   this one reused (ovdflash.decode.prefix_cache); the prefill ran the other ones only.
 - Times in seconds: prefill (part of TTFT), draft, verify, total. TTFT = call start to first
@@ -34,6 +36,7 @@ class GenerationStats:
     num_lookup_drafts: int = 0
     num_lookup_draft_tokens: int = 0
     num_lookup_accepted_tokens: int = 0
+    num_forced_draft_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     acceptance_length_histogram: dict[int, int] = field(default_factory=dict)
@@ -88,7 +91,8 @@ class GenerationStats:
         """Add another call's stats into this cumulative total (TTFT adds up; see mean_ttft_s)."""
         for name in ("num_prompt_tokens", "num_cached_prompt_tokens", "num_output_tokens", "num_drafts", "num_draft_tokens",
                      "num_accepted_tokens", "num_ar_steps", "num_lookup_drafts",
-                     "num_lookup_draft_tokens", "num_lookup_accepted_tokens", "num_compactions", "prefill_s",
+                     "num_lookup_draft_tokens", "num_lookup_accepted_tokens", "num_forced_draft_tokens",
+                     "num_compactions", "prefill_s",
                      "draft_s", "verify_s", "ttft_s", "total_s", "num_calls"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for i, (a, d) in enumerate(zip(other.accepted_per_position, other.drafted_per_position)):
@@ -116,6 +120,7 @@ class GenerationStats:
             "num_lookup_drafts": self.num_lookup_drafts,
             "num_lookup_draft_tokens": self.num_lookup_draft_tokens,
             "num_lookup_accepted_tokens": self.num_lookup_accepted_tokens,
+            "num_forced_draft_tokens": self.num_forced_draft_tokens,
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "per_position_acceptance_rate": self.per_position_acceptance_rate,

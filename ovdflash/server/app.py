@@ -26,7 +26,12 @@ Contract:
   server.tool_calls). A chat request's `tools` are rendered by the template (its `tools` variable, as
   transformers passes them); with tool_choice "auto" the reply is parsed: `message.tool_calls` and
   finish_reason "tool_calls" (when it stopped on its own), content the text outside the calls (null if
-  none); streamed: content deltas, then each call as one `delta.tool_calls` entry once it is complete.
+  none); streamed: content deltas, and each call as `delta.tool_calls` entries: a call opens with index,
+  id, type and name once the name is read, then its arguments follow in pieces as they arrive (the closing
+  brace once the call is known to be well formed; tool_calls' streamed arguments); a call the parser cannot
+  stream arrives whole once complete. A call that started streaming and turns out malformed (or is cut
+  off) keeps its index with arguments that never parse, its text comes as content, and finish_reason is
+  the whole reply's.
   tools with a template of no known format: 400 naming `tools`, unless tool_choice is "none" (rendered,
   not parsed). tool_choice "required" or a named function holds the reply to one call of those tools in the
   template's format (tool_calls.call_grammar: hermes and llama3_json with arguments valid against the
@@ -362,7 +367,9 @@ class _ChatReply(_CompletionReply):
         super().__init__(request_id, created, model, include_usage, logprob_entries, index)
         self.new_parser = new_parser
         self.parser = new_parser() if new_parser is not None else None  # the stream's; `body` makes its own
-        self.num_calls = 0
+        self.num_calls = 0     # calls completed (finish_reason)
+        self.num_entries = 0   # delta.tool_calls indices used, calls started but never completed included
+        self.started: dict[int, list[int]] = {}  # the parser's key of a started call -> [index, characters sent]
 
     def opening(self) -> dict | None:
         return self._chunk({"role": "assistant", "content": ""})
@@ -373,16 +380,34 @@ class _ChatReply(_CompletionReply):
                 return [self._chunk({"content": output.text} if output.text else {}, output.finish_reason)]
             return [self._chunk({"content": output.text})] if output.text else []
         events = self.parser.feed(output.text) + (self.parser.finish() if output.finished else [])
-        chunks = []
-        for event in events:
-            if isinstance(event, str):
-                chunks.append(self._chunk({"content": event}))
-            else:
-                chunks.append(self._chunk(protocol.tool_call_delta(self.num_calls, event)))
-                self.num_calls += 1
+        chunks = [self._chunk(delta) for delta in self._deltas(events)]
         if output.finished:
             chunks.append(self._chunk({}, self._finish_reason(output.finish_reason, self.num_calls)))
         return chunks
+
+    def _deltas(self, events: list) -> list[dict]:
+        """The parser's events as deltas: content, a call whole, or a call started then its arguments in pieces."""
+        deltas = []
+        for event in events:
+            if isinstance(event, str):
+                deltas.append({"content": event})
+            elif isinstance(event, tool_calls.CallStart):
+                self.started[event.key] = [self.num_entries, 0]
+                deltas.append(protocol.tool_call_start_delta(self.num_entries, event.name))
+                self.num_entries += 1
+            elif isinstance(event, tool_calls.ArgumentsDelta):
+                entry = self.started[event.key]
+                entry[1] += len(event.text)
+                deltas.append(protocol.tool_call_arguments_delta(entry[0], event.text))
+            else:
+                entry = self.started.pop(event.started, None) if event.started is not None else None
+                if entry is None:
+                    deltas.append(protocol.tool_call_delta(self.num_entries, event))
+                    self.num_entries += 1
+                elif event.arguments[entry[1]:]:
+                    deltas.append(protocol.tool_call_arguments_delta(entry[0], event.arguments[entry[1]:]))
+                self.num_calls += 1
+        return deltas
 
     def _empty_chunk(self) -> dict:
         return self._chunk({"content": ""})

@@ -5,7 +5,8 @@ one process, as tests build them), served by `/metrics`. Every series carries `m
 - Counters: `ovdflash:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`,
   `..._num_accepted_tokens_total`, `..._num_accepted_tokens_per_pos_total{position}` (0-based
   draft position), `..._num_lookup_drafts_total` (the rounds whose drafts came from n-gram
-  lookup), `ovdflash:prompt_tokens_total`, `ovdflash:generation_tokens_total`,
+  lookup), `..._num_forced_draft_tokens_total` (drafts a grammar forced: structured outputs),
+  `ovdflash:prompt_tokens_total`, `ovdflash:generation_tokens_total`,
   `ovdflash:prefix_cache_queries_total` / `ovdflash:prefix_cache_hits_total` (prompt tokens looked
   up in the prefix cache, and those whose KV it gave),
   `ovdflash:structured_requests_total{kind}` (requests the engine took whose output is held to a
@@ -53,6 +54,8 @@ class ServerMetrics:
                                             "Accepted draft tokens by position in the block.", ["position"])
         self.num_lookup_drafts = counter("spec_decode_num_lookup_drafts",
                                          "Verify rounds whose drafts came from n-gram lookup.")
+        self.num_forced_draft_tokens = counter("spec_decode_num_forced_draft_tokens",
+                                               "Draft tokens a grammar forced (structured outputs).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
@@ -101,6 +104,7 @@ class ServerMetrics:
         self.num_draft_tokens.labels(name).inc(stats.num_draft_tokens)
         self.num_accepted_tokens.labels(name).inc(stats.num_accepted_tokens)
         self.num_lookup_drafts.labels(name).inc(stats.num_lookup_drafts)
+        self.num_forced_draft_tokens.labels(name).inc(stats.num_forced_draft_tokens)
         for position, accepted in enumerate(stats.accepted_per_position):
             self.num_accepted_per_pos.labels(name, str(position)).inc(accepted)
         self.prompt_tokens.labels(name).inc(stats.num_prompt_tokens)

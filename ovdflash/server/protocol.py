@@ -53,7 +53,8 @@ Contract:
   draft tokens, accepted tokens per position, lookup rounds, mean acceptance length (tokens per
   verify round, the bonus token included) and draft acceptance rate. `chat_choice` carries
   `message.tool_calls` (ids `call_<hex>`) when the reply held calls; `tool_call_delta` is one call in a
-  streamed chunk. `chat_completion` / `completion` hold the choices (`chat_choice` / `completion_choice`, each
+  streamed chunk, or `tool_call_start_delta` then `tool_call_arguments_delta` pieces for one streamed piece by
+  piece. `chat_completion` / `completion` hold the choices (`chat_choice` / `completion_choice`, each
   with its `index`); each streamed chunk carries one choice, named by its `index`.
 """
 from __future__ import annotations
@@ -488,6 +489,7 @@ def spec_decode_usage(stats: GenerationStats) -> dict:
         "num_accepted_tokens": stats.num_accepted_tokens,
         "num_accepted_tokens_per_pos": list(stats.accepted_per_position),
         "num_lookup_drafts": stats.num_lookup_drafts,
+        "num_forced_draft_tokens": stats.num_forced_draft_tokens,
         "mean_acceptance_length": stats.mean_acceptance_length,
         "draft_acceptance_rate": stats.acceptance_rate,
     }
@@ -511,6 +513,17 @@ def tool_call_body(call, index: int | None = None) -> dict:
 
 def tool_call_delta(index: int, call) -> dict:
     return {"tool_calls": [tool_call_body(call, index)]}
+
+
+def tool_call_start_delta(index: int, name: str) -> dict:
+    """A streamed call's first delta: its id, type and name, arguments still empty."""
+    return {"tool_calls": [{"index": index, "id": f"call_{secrets.token_hex(12)}", "type": "function",
+                            "function": {"name": name, "arguments": ""}}]}
+
+
+def tool_call_arguments_delta(index: int, text: str) -> dict:
+    """A piece of a streamed call's arguments, appended to the pieces before it."""
+    return {"tool_calls": [{"index": index, "function": {"arguments": text}}]}
 
 
 NO_PROBABILITY_LOGPROB = -9999.0  # what a -inf logprob is written as (vLLM's value; JSON has no infinity)

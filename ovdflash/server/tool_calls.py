@@ -7,14 +7,28 @@ Contract:
   around a JSON object: Qwen2.5, Qwen3), "llama3_json" (`<|python_tag|>` or the `ipython` role: Llama 3.1-3.3
   JSON calls), None when it teaches none of these. `describe_tool_format(format)` is the start-up line.
 - `new_parser(format, tools, parallel=True)` -> a parser with `feed(text) -> [event]` as the reply streams
-  in and `finish() -> [event]` at its end; an event is a `str` (content) or a `ToolCall(name, arguments)`.
-  `tools` maps each of the request's function names to its JSON-schema `parameters`.
-  `parse_reply(parser, text)` feeds a fresh parser the whole reply at once; for any split of a reply the
-  streamed content concatenates, and the streamed calls list, to its `ParsedReply`.
+  in and `finish() -> [event]` at its end; an event is a `str` (content), a `ToolCall(name, arguments)` (a
+  well-formed call, complete), or, for a call being streamed, `CallStart(key, name)` then
+  `ArgumentsDelta(key, text)` pieces. `tools` maps each of the request's function names to its JSON-schema
+  `parameters`. `parse_reply(parser, text)` feeds a fresh parser the whole reply at once; for any split of
+  a reply the streamed content concatenates, and the streamed ToolCalls list, to its `ParsedReply`.
 - A call is returned only when it is well formed: it names one of the request's tools and its arguments
-  are a JSON object (`ToolCall.arguments` is that object as JSON text). Anything else (invalid JSON, an
-  unknown name, a `<tool_call>` never closed) stays in the content exactly as the model wrote it, so a
-  reply without a well-formed call comes back unchanged, character for character. Parsers never raise.
+  are a JSON object (`ToolCall.arguments` is that object as JSON text: as the model wrote it when the call
+  is written name first, `{"name": ..., "arguments"|"parameters": {...}}`, else re-serialized). Anything
+  else (invalid JSON, an unknown name, a `<tool_call>` never closed, a call repeating its name, arguments
+  or a parameter) stays in the content exactly as the model wrote it, so a reply without a well-formed
+  call comes back unchanged, character for character. Parsers never raise.
+- Streamed arguments: once a call has named one of the tools, the parser sends `CallStart(key, name)` and
+  then its arguments in `ArgumentsDelta` pieces as the text arrives, all but the closing brace. hermes and
+  llama3_json: calls written name first, from where the arguments object opens, its text as written.
+  qwen3_xml: from `<function=NAME>`, the object `_qwen3_xml_calls` builds: `{`, each parameter's
+  `"KEY": ` once its tag is read, a value its schema takes as text (no type, or "string", and no
+  non-string enum / const member) JSON-escaped as its characters come, any other value whole at its
+  `</parameter>`. The `ToolCall` that completes a started call has `started == key` and arguments that
+  begin with the pieces sent. A started call that turns out malformed, or never ends, gets no `ToolCall`:
+  its text comes as content as above, and what was sent of its arguments lacks the closing brace, so it
+  never parses. Other calls (hermes lists, other key orders) come whole as a `ToolCall` with `started`
+  None; with parallel False only a reply's first call streams.
 - Whitespace between content and a call, between calls and after the last call is layout, not content;
   `ParsedReply.content` is None when a reply holds calls and nothing else. parallel False: only the first
   call is returned, later ones are dropped.
@@ -31,8 +45,8 @@ Contract:
   keywords across properties (dependentRequired, if / then) are not held.
 - Streaming holds back only text that may still turn out to be a call: a tail that may be the start of
   `<tool_call>` and whitespace that may precede one (until the next text decides), an open `<tool_call>`
-  block (until its `</tool_call>`: each call arrives whole, arguments included), and for llama3_json a
-  reply that opens with `{` (until it ends).
+  block (until its `</tool_call>`; its arguments stream as above meanwhile), and for llama3_json a reply
+  that opens with `{` (until it ends; each call's arguments stream meanwhile).
 """
 from __future__ import annotations
 
@@ -51,6 +65,20 @@ NEWLINE = "\n"
 class ToolCall:
     name: str
     arguments: str  # a JSON object, as text
+    started: int | None = field(default=None, compare=False)  # the key of the CallStart it completes
+
+
+@dataclass(frozen=True)
+class CallStart:
+    """A call of `name` has begun; its arguments follow as ArgumentsDelta pieces of the same `key`."""
+    key: int
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgumentsDelta:
+    key: int
+    text: str
 
 
 @dataclass(frozen=True)
@@ -59,10 +87,13 @@ class ParsedReply:
     tool_calls: list[ToolCall] = field(default_factory=list)
 
 
-class ToolCallParser(Protocol):
-    def feed(self, text: str) -> list[str | ToolCall]: ...
+Event = str | ToolCall | CallStart | ArgumentsDelta
 
-    def finish(self) -> list[str | ToolCall]: ...
+
+class ToolCallParser(Protocol):
+    def feed(self, text: str) -> list[Event]: ...
+
+    def finish(self) -> list[Event]: ...
 
 
 def call_grammar(tool_format: str, tools: dict[str, dict]) -> str | None:
@@ -153,9 +184,9 @@ def describe_tool_format(tool_format: str | None) -> str:
 
 def new_parser(tool_format: str, tools: dict[str, dict], parallel: bool = True) -> ToolCallParser:
     if tool_format == "hermes":
-        return _TaggedCalls(_hermes_calls, tools, parallel)
+        return _TaggedCalls(_hermes_calls, tools, parallel, _JsonBlock)
     if tool_format == "qwen3_xml":
-        return _TaggedCalls(_qwen3_xml_calls, tools, parallel)
+        return _TaggedCalls(_qwen3_xml_calls, tools, parallel, _XmlBlock)
     if tool_format == "llama3_json":
         return _WholeReplyJson(tools, parallel)
     raise ValueError(f"unknown tool-call format {tool_format!r}; known: {', '.join(_FORMAT_LINES)}")
@@ -198,6 +229,279 @@ def _all_or_none(calls: list) -> list[ToolCall] | None:
     return calls if calls and all(c is not None for c in calls) else None
 
 
+# a call written name first, up to where its arguments object opens: the arguments can stream from here
+_WS = r"[ \t\n\r]*"
+_CALL_HEADER = re.compile(rf'{_WS}\{{{_WS}(?:"type"{_WS}:{_WS}"function"{_WS},{_WS})?"name"{_WS}:{_WS}'
+                          rf'("(?:[^"\\\x00-\x1f]|\\.)*"){_WS},{_WS}"(?:arguments|parameters)"{_WS}:{_WS}(?=\{{)')
+
+
+def _header_window(tools: dict[str, dict]) -> int:
+    """How far into a call its header may end (beyond it, the call is read whole)."""
+    return 128 + 8 * max((len(name) for name in tools), default=0)
+
+
+class _Span:
+    """Where the JSON object or array opening at `start` closes, read as its text arrives (strings and
+    escapes skipped, brackets counted); `end` is the index after its closing bracket once seen."""
+
+    def __init__(self, start: int):
+        self.pos, self.depth, self.in_string, self.escape = start, 0, False, False
+        self.end: int | None = None
+
+    def advance(self, text: str) -> int | None:
+        i = self.pos
+        while self.end is None and i < len(text):
+            c = text[i]
+            i += 1
+            if self.in_string:
+                if self.escape:
+                    self.escape = False
+                elif c == "\\":
+                    self.escape = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth <= 0:
+                    self.end = i
+        self.pos = i
+        return self.end
+
+
+def _header_name(header: re.Match) -> str | None:
+    try:
+        return json.loads(header.group(1))
+    except ValueError:
+        return None
+
+
+def _call_of_text(text: str, obj, tools: dict[str, dict]) -> ToolCall | None:
+    """The call `text` (one JSON object, `obj` its value) holds. Written name first, its arguments are their
+    text as written (what a stream sends piece by piece); an object whose header disagrees with its value
+    (a repeated key) is no call."""
+    call = _call_of_object(obj, tools)
+    header = _CALL_HEADER.match(text)
+    if call is None or header is None:
+        return call
+    end = _Span(header.end()).advance(text)
+    arguments = text[header.end():end] if end is not None else ""
+    value = obj["arguments"] if "arguments" in obj else obj.get("parameters")
+    try:
+        same = _header_name(header) == call.name and json.loads(arguments) == value
+    except ValueError:
+        same = False
+    return ToolCall(call.name, arguments) if same else None
+
+
+class _Started:
+    """A call being streamed: its key, name and the arguments' text sent so far."""
+
+    def __init__(self, key: int, name: str):
+        self.key, self.name, self.sent = key, name, ""
+
+    def send(self, piece: str) -> list[ArgumentsDelta]:
+        self.sent += piece
+        return [ArgumentsDelta(self.key, piece)] if piece else []
+
+    def complete(self, call: ToolCall) -> ToolCall:
+        """`call` as the completion of this stream, when what was sent begins its arguments."""
+        if call.name == self.name and call.arguments.startswith(self.sent):
+            return ToolCall(call.name, call.arguments, self.key)
+        return call
+
+
+class _ArgumentsStream(_Started):
+    """A JSON call's arguments as they arrive: the text from `start` up to (not including) their closing brace,
+    which waits until the call is known to be well formed (so a call that never is has arguments that never
+    parse)."""
+
+    def __init__(self, key: int, name: str, start: int):
+        super().__init__(key, name)
+        self.span = _Span(start)
+        self.sent_to = start  # the arguments' text before this index has been sent
+
+    def delta(self, text: str) -> list[ArgumentsDelta]:
+        end = self.span.advance(text)
+        upto = end - 1 if end is not None else len(text)
+        if upto <= self.sent_to:
+            return []
+        piece, self.sent_to = text[self.sent_to:upto], upto
+        return self.send(piece)
+
+
+class _JsonBlock:
+    """A hermes block's call as it arrives: CallStart once its header names a tool, then its arguments."""
+
+    def __init__(self, tools: dict[str, dict], limit: float, key: int):
+        self.tools, self.key = tools, key
+        self.window = _header_window(tools)
+        self.arguments: _ArgumentsStream | None = None
+        self.whole = limit < 1  # read whole, at the closing tag
+
+    @property
+    def num_started(self) -> int:
+        return int(self.arguments is not None)
+
+    def events(self, text: str) -> list[Event]:
+        if self.arguments is not None:
+            return self.arguments.delta(text)
+        if self.whole:
+            return []
+        header = _CALL_HEADER.match(text, len(OPEN_TAG))
+        if header is None:
+            self.whole = len(text) > len(OPEN_TAG) + self.window
+            return []
+        name = _header_name(header)
+        if name not in self.tools:
+            self.whole = True
+            return []
+        self.arguments = _ArgumentsStream(self.key, name, header.end())
+        return [CallStart(self.key, name)] + self.arguments.delta(text)
+
+    def complete(self, calls: list[ToolCall]) -> list[ToolCall]:
+        return [self.arguments.complete(calls[0])] if self.arguments is not None and len(calls) == 1 else calls
+
+
+_FUNCTION_OPEN, _FUNCTION_CLOSE = "<function=", "</function>"
+_PARAMETER_OPEN, _PARAMETER_CLOSE = "<parameter=", "</parameter>"
+
+
+class _XmlBlock:
+    """A qwen3_xml block's calls as they arrive: CallStart at each `<function=NAME>` of a tool, then its
+    arguments object as `_qwen3_xml_calls` builds it: `{`, each parameter's `"KEY": ` once its tag is read,
+    then its value, a string's characters as they come (JSON-escaped; the newlines around it and a tail that
+    may be `</parameter>` held back), any other value whole at `</parameter>`; the closing brace comes with
+    the completed call. Text that would make the block no call stops the streaming (the block is then
+    decided whole, at its closing tag)."""
+
+    def __init__(self, tools: dict[str, dict], limit: float, key: int):
+        self.tools, self.limit, self.key = tools, limit, key
+        self.pos = len(OPEN_TAG)
+        self.state = "functions"  # between functions; "parameters": in one; "value": in a parameter; "stopped"
+        self.calls: list[_Started] = []  # the block's functions so far, each streamed
+        self.keys: set[str] = set()      # the open function's parameters so far
+        self.schema: dict = {}           # the open parameter's
+        self.as_text = False             # its value streams as text
+        self.value_start = self.value_from = self.value_sent = 0
+
+    @property
+    def num_started(self) -> int:
+        return len(self.calls)
+
+    def events(self, text: str) -> list[Event]:
+        events: list[Event] = []
+        while self.state != "stopped":
+            if self.state == "value":
+                if not self._value(text, events):
+                    break
+                continue
+            rest = text[self.pos:]
+            head = rest.lstrip()
+            self.pos += len(rest) - len(head)
+            if not head:
+                break
+            if self.state == "parameters" and head.startswith(_FUNCTION_CLOSE):
+                self.pos += len(_FUNCTION_CLOSE)
+                self.state = "functions"
+                continue
+            tag = _FUNCTION_OPEN if self.state == "functions" else _PARAMETER_OPEN
+            end, newline = head.find(">", len(tag)), head.find("\n", len(tag))
+            if not head.startswith(tag) or 0 <= newline < (end if end >= 0 else len(head)):
+                could_be = tag.startswith(head) or (self.state == "parameters" and _FUNCTION_CLOSE.startswith(head))
+                if not could_be or newline >= 0:
+                    self.state = "stopped"
+                break
+            if end < 0:
+                break
+            self.pos += end + 1
+            name = head[len(tag):end].strip()
+            if self.state == "functions":
+                self._function(name, events)
+            else:
+                self._parameter(name, events)
+        return events
+
+    def _function(self, name: str, events: list) -> None:
+        if name not in self.tools or len(self.calls) >= self.limit:
+            self.state = "stopped"
+            return
+        call = _Started(self.key + len(self.calls), name)
+        self.calls.append(call)
+        self.keys, self.state = set(), "parameters"
+        events += [CallStart(call.key, name)] + call.send("{")
+
+    def _parameter(self, key: str, events: list) -> None:
+        if not key or key in self.keys:  # a parameter given twice makes no call
+            self.state = "stopped"
+            return
+        call = self.calls[-1]
+        properties = (self.tools[call.name] or {}).get("properties") or {}
+        schema = properties.get(key) if isinstance(properties, dict) else None
+        self.schema = schema if isinstance(schema, dict) else {}
+        self.as_text = _value_is_text(self.schema)
+        opening = (", " if self.keys else "") + json.dumps(key, ensure_ascii=False) + ": " + ('"' if self.as_text else "")
+        self.keys.add(key)
+        events += call.send(opening)
+        self.state, self.value_start, self.value_from = "value", self.pos, -1
+
+    def _value(self, text: str, events: list) -> bool:
+        """The open parameter's value as far as it arrived; True once its `</parameter>` did."""
+        call = self.calls[-1]
+        close = text.find(_PARAMETER_CLOSE, self.value_start)
+        function_close = text.find(_FUNCTION_CLOSE, self.value_start)
+        if 0 <= function_close and (close < 0 or function_close < close):  # the function ends inside the value
+            self.state = "stopped"
+            return False
+        if self.as_text and self.value_from < 0 and len(text) > self.value_start:
+            self.value_from = self.value_sent = self.value_start + (text[self.value_start] == "\n")
+        if close < 0:
+            if self.as_text and self.value_from >= 0:
+                upto = len(text) - max(_partial_tail(text, _PARAMETER_CLOSE), _partial_tail(text, _FUNCTION_CLOSE))
+                if upto > self.value_sent and text[upto - 1] == "\n":
+                    upto -= 1  # it may be the newline before `</parameter>`
+                if upto > self.value_sent:
+                    events += call.send(_json_text(text[self.value_sent:upto]))
+                    self.value_sent = upto
+            return False
+        raw = text[self.value_start:close]
+        if self.as_text:
+            value = raw.removeprefix("\n").removesuffix("\n")
+            sent = max(self.value_sent - self.value_from, 0) if self.value_from >= 0 else 0
+            events += call.send(_json_text(value[sent:]) + '"')
+        else:
+            events += call.send(json.dumps(_parameter_value(raw, self.schema), ensure_ascii=False))
+        self.pos, self.state = close + len(_PARAMETER_CLOSE), "parameters"
+        return True
+
+    def complete(self, calls: list[ToolCall]) -> list[ToolCall]:
+        return [self.calls[i].complete(call) if i < len(self.calls) else call for i, call in enumerate(calls)]
+
+
+def _json_text(text: str) -> str:
+    """`text` as it stands inside a JSON string (json.dumps escapes each character on its own)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+def _value_is_text(schema: dict) -> bool:
+    """Whether _parameter_value gives a value's text itself under `schema` (so it can stream as it comes)."""
+    types = _types(schema)
+    return all(isinstance(m, str) for m in _members(schema)) and (not types or "string" in types)
+
+
+def _members(schema: dict) -> list:
+    members = [schema["const"]] if "const" in schema else schema.get("enum") or []
+    return members if isinstance(members, list) else []
+
+
+def _types(schema: dict) -> list:
+    types = schema.get("type")
+    return [types] if isinstance(types, str) else list(types) if isinstance(types, list) else []
+
+
 # -- the block formats: <tool_call>BODY</tool_call> anywhere in the reply -----------------------------------
 def _hermes_calls(body: str, tools: dict[str, dict]) -> list[ToolCall] | None:
     """`{"name": ..., "arguments": {...}}` (or a list of them) between the tags."""
@@ -205,7 +509,9 @@ def _hermes_calls(body: str, tools: dict[str, dict]) -> list[ToolCall] | None:
         obj = json.loads(body)
     except ValueError:
         return None
-    return _all_or_none([_call_of_object(o, tools) for o in (obj if isinstance(obj, list) else [obj])])
+    if isinstance(obj, list):
+        return _all_or_none([_call_of_object(o, tools) for o in obj])
+    return _all_or_none([_call_of_text(body, obj, tools)])
 
 
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
@@ -235,8 +541,11 @@ def _qwen3_xml_calls(body: str, tools: dict[str, dict]) -> list[ToolCall] | None
         if name not in tools or parameters is None:
             return None
         properties = (tools[name] or {}).get("properties") or {}
+        properties = properties if isinstance(properties, dict) else {}
         arguments = {p.group(1).strip(): _parameter_value(p.group(2), properties.get(p.group(1).strip()))
                      for p in parameters}
+        if len(arguments) < len(parameters):  # a parameter given twice
+            return None
         calls.append(_checked_call(name, arguments, tools))
     return _all_or_none(calls)
 
@@ -246,12 +555,10 @@ def _parameter_value(raw: str, schema) -> object:
     an enum's or const's member when the text is one written as call_grammar writes it."""
     value = raw.removeprefix("\n").removesuffix("\n")  # the newlines the format puts around a value
     schema = schema if isinstance(schema, dict) else {}
-    members = [schema["const"]] if "const" in schema else schema.get("enum") or []
-    for member in members:  # an enum's member as written: a string as it is, another value as JSON
+    for member in _members(schema):  # an enum's member as written: a string as it is, another value as JSON
         if value == (member if isinstance(member, str) else json.dumps(member)):
             return member
-    types = schema.get("type")
-    types = [types] if isinstance(types, str) else list(types or [])
+    types = _types(schema)
     if not types or "string" in types:
         return value
     if "boolean" in types and value.strip().lower() in ("true", "false"):
@@ -263,10 +570,11 @@ def _parameter_value(raw: str, schema) -> object:
 
 
 class _TaggedCalls:
-    """Calls in `<tool_call>...</tool_call>` blocks anywhere in the reply; `read_block` reads one block's body."""
+    """Calls in `<tool_call>...</tool_call>` blocks anywhere in the reply; `read_block` reads one block's body,
+    `new_block_stream(tools, limit, first_key)` streams an open block's calls (at most `limit` of them)."""
 
     def __init__(self, read_block: Callable[[str, dict], list[ToolCall] | None], tools: dict[str, dict],
-                 parallel: bool):
+                 parallel: bool, new_block_stream: Callable | None = None):
         self._read_block = read_block
         self._tools = tools
         self._parallel = parallel
@@ -274,29 +582,42 @@ class _TaggedCalls:
         self._pending_ws = ""     # whitespace before the buffer: content, unless a call follows
         self._after_call = False  # whitespace right after a call is layout
         self._num_calls = 0
+        self._new_block_stream = new_block_stream
+        self._block_stream = None  # the open block's, once it opened
+        self._num_started = 0
 
-    def feed(self, text: str) -> list[str | ToolCall]:
+    def feed(self, text: str) -> list[Event]:
         self._buffer += text
         return self._drain(final=False)
 
-    def finish(self) -> list[str | ToolCall]:
+    def finish(self) -> list[Event]:
         return self._drain(final=True)
 
-    def _drain(self, final: bool) -> list[str | ToolCall]:
-        events: list[str | ToolCall] = []
+    def _drain(self, final: bool) -> list[Event]:
+        events: list[Event] = []
         while True:
             if self._buffer.startswith(OPEN_TAG):
                 end = self._buffer.find(CLOSE_TAG, len(OPEN_TAG))
                 if end < 0:
                     if final:  # never closed: the model's text as it is
                         self._content(events, self._buffer)
-                        self._buffer = ""
+                        self._buffer, self._block_stream = "", None
+                    elif self._new_block_stream is not None:
+                        if self._block_stream is None:
+                            limit = float("inf") if self._parallel else int(self._num_calls == 0)
+                            self._block_stream = self._new_block_stream(self._tools, limit, self._num_started)
+                        events += self._block_stream.events(self._buffer)
                     return events
                 block, self._buffer = self._buffer[:end + len(CLOSE_TAG)], self._buffer[end + len(CLOSE_TAG):]
                 calls = self._read_block(block[len(OPEN_TAG):-len(CLOSE_TAG)], self._tools)
+                stream, self._block_stream = self._block_stream, None
+                if stream is not None:
+                    self._num_started += stream.num_started
                 if calls is None:
                     self._content(events, block)
                     continue
+                if stream is not None:
+                    calls = stream.complete(calls)
                 for call in calls:
                     if self._parallel or self._num_calls == 0:
                         events.append(call)
@@ -344,15 +665,25 @@ def _partial_tail(text: str, tag: str) -> int:
 # -- the whole-reply format: Llama 3's JSON call -----------------------------------------------------------
 class _WholeReplyJson:
     """The whole reply is the call(s): `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`,
-    several separated by `;`. A reply that opens with anything but `{` is content, streamed as it comes."""
+    several separated by `;`. A reply that opens with anything but `{` is content, streamed as it comes; one
+    that opens with `{` is decided at its end, each call's arguments streaming meanwhile."""
 
     def __init__(self, tools: dict[str, dict], parallel: bool):
         self._tools = tools
         self._parallel = parallel
+        self._header_window = _header_window(tools)
         self._text = ""
         self._mode: str | None = None  # None until the first character decides: "json" or "content"
+        self._pos = 0             # where the streamed read stands between objects
+        self._object: _Span | None = None  # the object being read, opening at _object_start
+        self._object_start = 0
+        self._arguments: _ArgumentsStream | None = None  # its call, once its header is read
+        self._whole_object = False  # it is read whole, at the reply's end
+        self._started: dict[int, _ArgumentsStream] = {}  # the streamed calls, by where their object opens
+        self._num_objects = 0
+        self._streaming = True    # False once the reply holds something else than call objects
 
-    def feed(self, text: str) -> list[str | ToolCall]:
+    def feed(self, text: str) -> list[Event]:
         if self._mode == "content":
             return [text] if text else []
         self._text += text
@@ -368,9 +699,10 @@ class _WholeReplyJson:
             if self._mode == "content":
                 text, self._text = self._text, ""
                 return [text]
-        return []
+            self._pos = _calls_start(self._text)
+        return self._stream()
 
-    def finish(self) -> list[str | ToolCall]:
+    def finish(self) -> list[Event]:
         if self._mode == "content" or not self._text:
             return []
         calls = self._calls(self._text) if self._mode == "json" else None
@@ -378,17 +710,69 @@ class _WholeReplyJson:
             return [self._text]
         return calls if self._parallel else calls[:1]
 
+    def _stream(self) -> list[Event]:
+        """Each call object's CallStart and arguments as they arrive (the calls themselves wait for the end)."""
+        events: list[Event] = []
+        text = self._text
+        while self._streaming:
+            if self._object is None:
+                pos = self._pos
+                while pos < len(text) and (text[pos].isspace() or (self._num_objects and text[pos] == ";")):
+                    pos += 1
+                self._pos = pos
+                if pos == len(text):
+                    break
+                if text[pos] != "{":
+                    self._streaming = False
+                    break
+                self._object, self._object_start = _Span(pos), pos
+                self._arguments, self._whole_object = None, False
+            if self._arguments is None and not self._whole_object:
+                self._read_header(events)
+            if self._arguments is not None:
+                events += self._arguments.delta(text)
+            end = self._object.advance(text)
+            if end is None:
+                break
+            self._object, self._arguments, self._pos = None, None, end
+            self._num_objects += 1
+        return events
+
+    def _read_header(self, events: list) -> None:
+        start = self._object_start
+        header = _CALL_HEADER.match(self._text, start)
+        if header is None:
+            self._whole_object = len(self._text) > start + self._header_window
+            return
+        name = _header_name(header)
+        if name not in self._tools or not (self._parallel or self._num_objects == 0):
+            self._whole_object = True
+            return
+        self._arguments = _ArgumentsStream(len(self._started), name, header.end())
+        self._started[start] = self._arguments
+        events.append(CallStart(self._arguments.key, name))
+
     def _calls(self, text: str) -> list[ToolCall] | None:
-        text = text.lstrip()
-        text = text.removeprefix(PYTHON_TAG)
-        decoder, calls, pos = json.JSONDecoder(), [], 0
+        decoder, calls, pos = json.JSONDecoder(), [], _calls_start(text)
         while True:
             while pos < len(text) and (text[pos].isspace() or (calls and text[pos] == ";")):
                 pos += 1
             if pos == len(text):
                 return _all_or_none(calls)
+            start = pos
             try:
                 obj, pos = decoder.raw_decode(text, pos)
             except ValueError:
                 return None
-            calls += [_call_of_object(o, self._tools) for o in (obj if isinstance(obj, list) else [obj])]
+            if isinstance(obj, list):
+                calls += [_call_of_object(o, self._tools) for o in obj]
+                continue
+            call = _call_of_text(text[start:pos], obj, self._tools)
+            started = self._started.get(start)
+            calls.append(started.complete(call) if call is not None and started is not None else call)
+
+
+def _calls_start(text: str) -> int:
+    """Where a llama3_json reply's calls begin: after leading whitespace and `<|python_tag|>`."""
+    start = len(text) - len(text.lstrip())
+    return start + len(PYTHON_TAG) if text.startswith(PYTHON_TAG, start) else start
