@@ -3,6 +3,8 @@
 `random_prompts(n, vocab, seed)`: n prompts of 1..59 random ids (the first two of length 1 and 2).
 `assert_greedy_equals_ar(pipe, block)`: 20 prompts, 32 tokens, no lookup; rounds both accept and reject.
 `assert_seeded_equals_ar(pipe)`: 4 seeded prompts at temperature 0.8 give AR's tokens.
+`assert_sampled_follows_ar(pipe, prompt, tokens)`: two-sample chi-square of each token after the first, drafting against
+  AR (independent seeds); at least 10 drafts accepted and some rejected.
 `assert_export_fails(target, drafter, out, message)`: `ovdflash export` exits 2 with one line holding message.
 """
 import numpy as np
@@ -31,6 +33,31 @@ def assert_seeded_equals_ar(pipe):
         ar = pipe.generate(prompt, max_new_tokens=24, seed=seed, temperature=0.8, draft=False)
         spec = pipe.generate(prompt, max_new_tokens=24, seed=seed, temperature=0.8, prompt_lookup=False)
         assert spec.token_ids == ar.token_ids, seed
+
+
+def assert_sampled_follows_ar(pipe, prompt=(5, 17, 33), tokens=4, samples=300, **params):
+    from scipy import stats as sps
+
+    from ovdflash.decode.stats import GenerationStats
+
+    params = params or dict(temperature=0.3, top_k=3)
+    stats = GenerationStats()
+
+    def draw(draft):
+        return np.array([[e.token for e in pipe.generate_tokens(
+            list(prompt), tokens, draft=draft, seed=s + (10 ** 6 if draft else 0), eos_token_ids=[], block_size=4,
+            prompt_lookup=False, stats=stats if draft else None, **params)] for s in range(samples)])
+
+    ar, spec = draw(False), draw(True)
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 10, (stats.num_draft_tokens, stats.num_accepted_tokens)
+    p_values = {}
+    for pos in range(1, tokens):
+        values = sorted(set(ar[:, pos]) | set(spec[:, pos]))
+        table = np.array([[np.sum(ar[:, pos] == v) for v in values], [np.sum(spec[:, pos] == v) for v in values]])
+        keep = table.sum(0) >= 10  # pool rare tokens
+        table = np.c_[table[:, keep], table[:, ~keep].sum(1, keepdims=True)]
+        p_values[pos] = sps.chi2_contingency(table[:, table.sum(0) > 0]).pvalue
+    assert min(p_values.values()) > 1e-3, p_values
 
 
 def assert_export_fails(target, drafter, out, message):

@@ -13,8 +13,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from drafter_checks import (assert_export_fails, assert_greedy_equals_ar, assert_seeded_equals_ar, edited_checkpoint,
-                            random_prompts, strict_pipe)
+from drafter_checks import (assert_export_fails, assert_greedy_equals_ar, assert_sampled_follows_ar, assert_seeded_equals_ar,
+                            edited_checkpoint, random_prompts, strict_pipe)
 
 from ovdflash.manifest import load_manifest
 
@@ -144,6 +144,13 @@ def test_greedy_dspark_equals_autoregressive(pipe, block):
 def test_a_seeded_sampled_reply_equals_autoregressive(pipe):
     """The walk's choice is a deterministic proposal (q one-hot): seeded replies are AR's token for token."""
     assert_seeded_equals_ar(pipe)
+
+
+def test_sampled_dspark_follows_the_ar_distribution(pipe):
+    """Chi-square against AR: exact for the walk's proposals and the confidence cut."""
+    # this random pair agrees rarely: a longer reply at a low temperature gives enough accepted drafts
+    prompt = random_prompts(20, pipe.tokenizer.vocab_size, seed=4)[4]
+    assert_sampled_follows_ar(pipe, prompt, tokens=16, temperature=0.1)
 
 
 @pytest.mark.parametrize("case,config,drop,message", [

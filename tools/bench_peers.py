@@ -2,8 +2,9 @@
 
 Each leg is NAME=COMMAND: a shell command that starts an OpenAI-compatible server on PORT (written
 `{port}` in the command) and keeps it in the foreground. For every repetition the legs run in turn
-(interleaved): start the server, wait for GET /v1/models, run `ovdflash bench-serve` per prompt set
-and concurrency, sample the resident memory of the server's whole process tree every 0.2 s, stop it.
+(interleaved), and for every concurrency level: start the server, wait for GET /v1/models, run
+`ovdflash bench-serve` per prompt set, sample the resident memory of the server's whole process tree
+every 0.2 s, stop it. Failed requests are counted, not fatal.
 Prints a table of medians over the repetitions (tok/s, TTFT / TPOT medians, peak RSS) and the greedy
 agreement of every leg's replies with a reference leg's, and writes every report to --out.
 
@@ -89,10 +90,13 @@ class Server:
 
 
 def bench(base: str, prompt_set: str, concurrency: int, num_prompts: int, max_tokens: int, out: Path) -> dict:
-    subprocess.run([sys.executable, "-m", "ovdflash.cli", "bench-serve", "--base-url", base, "--prompt-set", prompt_set,
-                    "--num-prompts", str(num_prompts), "--concurrency", str(concurrency), "--max-tokens",
-                    str(max_tokens), "--temperature", "0", "--output-json", str(out)], check=True,
-                   stdout=subprocess.DEVNULL)
+    out.unlink(missing_ok=True)
+    done = subprocess.run([sys.executable, "-m", "ovdflash.cli", "bench-serve", "--base-url", base, "--prompt-set",
+                           prompt_set, "--num-prompts", str(num_prompts), "--concurrency", str(concurrency),
+                           "--max-tokens", str(max_tokens), "--temperature", "0", "--output-json", str(out)],
+                          stdout=subprocess.DEVNULL)
+    if not out.exists():  # bench-serve writes its report even when some requests failed (exit 1)
+        raise SystemExit(f"bench-serve against {base} wrote no report (exit {done.returncode})")
     return json.loads(out.read_text())
 
 
@@ -116,24 +120,26 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     runs = []
     for rep in range(args.repetitions):
-        for name, command in legs.items():
-            load = os.getloadavg()[0]
-            server = Server(command, args.port, work / f"{name}.{rep}.log", args.ready_timeout)
-            ready_mb = tree_rss_mb(server.proc.pid)
-            try:
-                for c in concs:
+        for c in concs:  # a fresh server per concurrency too: no prompt cache carries over from the last level
+            for name, command in legs.items():
+                load = os.getloadavg()[0]
+                server = Server(command, args.port, work / f"{name}.{rep}.c{c}.log", args.ready_timeout)
+                ready_mb = tree_rss_mb(server.proc.pid)
+                leg_runs = []
+                try:
                     for s in sets:
                         report = bench(server.base, s, c, args.num_prompts, args.max_tokens, work / "last.json")
-                        runs.append(dict(leg=name, rep=rep, set=s, concurrency=c, load_before=load, report=report))
+                        leg_runs.append(dict(leg=name, rep=rep, set=s, concurrency=c, load_before=load, report=report))
                         print(f"{name:<16} rep {rep} c={c} {s:<5} {report['output_throughput']:7.1f} tok/s  "
-                              f"TTFT {report['ttft_ms']['median']:6.0f} ms  TPOT {report['tpot_ms']['median']:5.1f} ms",
+                              f"TTFT {report['ttft_ms']['median']:6.0f} ms  TPOT {report['tpot_ms']['median']:5.1f} ms"
+                              f"  failed {report['failed']}",
                               flush=True)
-            finally:
-                server.stop()
-            for r in runs:
-                if r["leg"] == name and r["rep"] == rep:
+                finally:
+                    server.stop()
+                for r in leg_runs:
                     r.update(ready_mb=ready_mb, peak_mb=server.peak_mb)
-            args.out.write_text(json.dumps(runs, indent=1))
+                runs.extend(leg_runs)
+                args.out.write_text(json.dumps(runs, indent=1))
     print(table(runs, list(legs), sets, concs, args.reference or next(iter(legs))))
 
 
@@ -147,7 +153,8 @@ def table(runs: list[dict], legs: list[str], sets: list[str], concs: list[int], 
                 and r["rep"] == 0 for reply in r["report"]["replies"] if reply["ok"]}
 
     head = "| leg | " + " | ".join(f"c={c} tok/s {'/'.join(sets)}" for c in concs) + " | " + \
-        " | ".join(f"c={c} TTFT / TPOT ms" for c in concs) + " | peak MB | greedy = " + reference + " (c=1) |"
+        " | ".join(f"c={c} TTFT / TPOT ms" for c in concs) + " | peak MB | greedy = " + reference + \
+        " (c=1) | failed requests |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     ref = texts(reference, concs[0])
     for leg in legs:
@@ -159,7 +166,9 @@ def table(runs: list[dict], legs: list[str], sets: list[str], concs: list[int], 
         peak = max((r["peak_mb"] for r in runs if r["leg"] == leg and "peak_mb" in r), default=float("nan"))
         mine = texts(leg, concs[0])
         same = sum(1 for k, v in mine.items() if ref.get(k) == v)
-        lines.append(f"| {leg} | " + " | ".join(tok) + " | " + " | ".join(lat) + f" | {peak:.0f} | {same} of {len(mine)} |")
+        failed = sum(r["report"]["failed"] for r in runs if r["leg"] == leg)
+        lines.append(f"| {leg} | " + " | ".join(tok) + " | " + " | ".join(lat) +
+                     f" | {peak:.0f} | {same} of {len(mine)} | {failed} |")
     return "\n".join(lines)
 
 
