@@ -11,6 +11,8 @@ Contract:
   counters when the server reports them (ours does; others leave them out), and `replies`: each
   request's prompt and streamed text (in the order they finished), to compare two servers' greedy replies.
 - Output tokens come from the usage chunk; a server without one is counted by text chunks.
+- Every request opens its own connection (no keep-alive): servers close idle or much-used
+  connections on their own schedules, and a request sent on one being closed fails for no fault of its own.
 - Prompts come from the held-out eval sets (`ovdflash.bench.prompts`), several sets interleaved
   (`eval_prompts`); `format_report` renders a report as a table.
 """
@@ -103,9 +105,12 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict:
 
 async def _run_load(base_url, prompts, concurrency, max_tokens, model, api_key, endpoint, temperature, seed,
                     min_rounds, timeout_s, on_result):
+    import httpx
     import openai
 
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "EMPTY", max_retries=0, timeout=timeout_s)
+    http = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), timeout=timeout_s)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "EMPTY", max_retries=0, timeout=timeout_s,
+                                http_client=http)
     async with client:
         if model is None:
             model = (await client.models.list()).data[0].id
