@@ -410,3 +410,42 @@ def test_paged_hybrid_prefix_reuse_cuts_back_to_kept_states(paged_pipe, pair, tm
     linear = paged_pipe.target.linear
     held = len(linear.kept_at[0]) + 1 - (linear.committed[0] in linear.kept_at[0].values())
     assert len(linear.free) == linear.num_slots - held  # nothing leaked
+
+
+def test_batched_hybrid_prefix_cache_shares_kept_states(paged_pipe):
+    """The batched runner's prefix cache on the hybrid: a finished request leaves its KV blocks and the
+    linear-attention states kept every `checkpoint_every` tokens; later requests (three at once, all
+    reading one shared state) reuse the prefix up to the last kept state before they part, and reply
+    as runs without any cache. The least recently used states go first; no slot leaks."""
+    batch = paged_pipe.batch_target()
+    linear, every = batch.linear, batch.linear.checkpoint_every
+    assert batch.caches_prefixes and every % batch.block_tokens == 0 and linear.max_shared >= 2
+    rng = np.random.default_rng(21)
+    new = 6
+
+    def run(prompts):
+        results = paged_pipe.generate_batch(prompts, max_new_tokens=new, max_batch_size=3, stop=None, block_size=4)
+        for prompt, result in zip(prompts, results):
+            alone = tokens(paged_pipe.generate_tokens(prompt, new, block_size=4, prefix_cache=False))
+            assert list(result.token_ids) == alone, len(prompt)
+        return [r.stats.num_cached_prompt_tokens for r in results]
+
+    def follow_ups(prompt, cuts):
+        return [prompt[:cut] + rng.integers(0, 400, 4).tolist() for cut in cuts]
+
+    prompt = rng.integers(0, 400, 2 * every + 5).tolist()
+    assert run([prompt]) == [0]  # its prefill starts on a multiple: states at every and 2 * every
+    assert run(follow_ups(prompt, (every + 5, 2 * every + 3, every - 1))) == [every, 2 * every, 0]
+    assert run([prompt]) == [2 * every]
+
+    kept = linear.max_shared
+    try:
+        linear.max_shared = 1  # the next share evicts every older state
+        other = rng.integers(0, 400, 2 * every + 5).tolist()
+        assert run([other]) == [0]
+        assert len(linear.shared) == 1
+        assert run(follow_ups(other, (every + 5, 2 * every + 3)) + [prompt]) == [0, 2 * every, 0]
+    finally:
+        linear.max_shared = kept
+    assert not linear.committed and not linear.written and not linear.kept_at
+    assert len(linear.free) + len(linear.shared) == linear.num_slots  # nothing leaked

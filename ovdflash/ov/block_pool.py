@@ -24,7 +24,10 @@ Contract:
   it is evicted (least recently released first, a chain's tail before its head) when a sequence needs
   a block and the pool is at its limit. A block is found only by its exact tokens. The digests
   and which cached blocks are idle are `prefixes`' (a `PrefixCache`); `num_prefix_queries` /
-  `num_prefix_hits` count the prompt tokens looked up and found.
+  `num_prefix_hits` count the prompt tokens looked up and found. `digests(seq_id)` lists the chain
+  digest of each of a sequence's hashed blocks (matched or filled), in order. `match_limit` (None:
+  share every matched block) takes the matched blocks' digests and returns how many leading ones
+  `reserve` may share (a hybrid target shares only up to a block with a kept linear-attention state).
 May import: numpy and the standard library only (the tensors are the caller's).
 """
 from __future__ import annotations
@@ -56,6 +59,7 @@ class SequenceBlocks:
     blocks: list = field(default_factory=list)  # its block table: shared cached blocks first
     num_hashed: int = 0      # leading blocks whose digest is known (matched or registered)
     digest: bytes = b""      # chain digest of those blocks
+    digests: list = field(default_factory=list)  # chain digest after each hashed block
     tail_ids: list = field(default_factory=list)  # committed token ids after the hashed blocks
     num_matched: int = 0     # leading blocks shared from the prefix cache at reserve
 
@@ -87,6 +91,7 @@ class PrefixCache:
         b = self.block_tokens
         while len(seq.tail_ids) >= b:
             seq.digest = block_digest(seq.digest, np.asarray(seq.tail_ids[:b]))
+            seq.digests.append(seq.digest)
             del seq.tail_ids[:b]
             block = seq.blocks[seq.num_hashed]
             seq.num_hashed += 1
@@ -136,6 +141,7 @@ class BlockPool:
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0     # of which found there
         self.prefixes = PrefixCache(block_tokens)
+        self.match_limit: Callable[[list[bytes]], int] | None = None  # leading matched blocks reserve may share
         self.seqs: dict = {}       # seq_id -> SequenceBlocks
         self._allocate(min(initial_blocks, self.pool_blocks))
 
@@ -172,12 +178,14 @@ class BlockPool:
             raise ValueError(f"sequence {seq_id!r} is already in the batch")
         looked_up = self.caches_prefixes and prompt_ids is not None
         matched = self.prefixes.match(prompt_ids) if looked_up else []
+        if matched and self.match_limit is not None:
+            matched = matched[:self.match_limit([digest for digest, _ in matched])]
         idle_matched = sum(1 for _, block in matched if self.refs.get(block, 0) == 0)
         if need - len(matched) + idle_matched > self.free_blocks:
             return False
         seq = SequenceBlocks(committed=len(matched) * self.block_tokens, budget=need - len(matched),
                              num_hashed=len(matched), digest=matched[-1][0] if matched else b"",
-                             num_matched=len(matched))
+                             digests=[digest for digest, _ in matched], num_matched=len(matched))
         for _, block in matched:
             self._hold(block)
             seq.blocks.append(block)
@@ -196,6 +204,10 @@ class BlockPool:
 
     def committed(self, seq_id) -> int:
         return self.seqs[seq_id].committed
+
+    def digests(self, seq_id) -> list[bytes]:
+        """The chain digest after each of the sequence's hashed blocks (shared at reserve or filled since)."""
+        return self.seqs[seq_id].digests
 
     def matched_blocks(self, seq_id) -> list[int]:
         """The cached blocks `reserve` shared with this sequence, in order."""

@@ -25,11 +25,18 @@ Contract:
     token, so a long call starting elsewhere keeps only its final state). `rewind_floor(seq, n)`
     is the longest kept length <= n (0: none), and `rewind(seq, m)` makes the state kept at m the
     committed one and drops those after it: prefix reuse that cuts back to m and prefills the rest.
+  * Shared states (prefix caching across sequences, the batched runner): `share(seq, position, key)`
+    moves the state a sequence kept at `position` under `key` (its prefix's block digest) into
+    `shared`, at most `max_shared` of them (the least recently used go first); `adopt(seq, key)` makes
+    a shared state a new sequence's committed one, read in place (no copy). A slot is freed only when
+    no sequence commits, keeps or writes it and `shared` no longer holds it.
   * `release(seq)` frees every slot of a sequence; `slots_per_sequence(num_tokens)` and
     `bytes_per_slot` size the memory (docs/DESIGN.md, "Hybrid targets").
 May import: numpy, openvino, `.inference`.
 """
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import numpy as np
 import openvino as ov
@@ -64,6 +71,8 @@ class LinearStateSlots:
         self.committed: dict = {}  # seq -> slot
         self.written: dict = {}  # seq -> (slots its last call writes, past, tokens, interval)
         self.kept_at: dict = {}  # seq -> {position: slot} states kept at multiples of checkpoint_every
+        self.shared: OrderedDict = OrderedDict()  # key -> slot, states any sequence may start from; oldest first
+        self.max_shared = 0
         self._grow(initial_slots)
 
     def bind(self, *requests) -> None:
@@ -84,9 +93,11 @@ class LinearStateSlots:
             self._grow(2 * self.num_slots)
         return self.free.pop()
 
-    def _drop(self, seq, slots) -> None:
-        """Free slots no longer committed nor kept for this sequence."""
-        held = set(self.kept_at.get(seq, {}).values()) | {self.committed.get(seq)}
+    def _drop(self, slots) -> None:
+        """Free those of slots that nothing holds any more (module contract)."""
+        held = {*self.committed.values(), *self.shared.values()}
+        held.update(slot for kept in self.kept_at.values() for slot in kept.values())
+        held.update(slot for written, *_ in self.written.values() for slot in written)
         self.free += [slot for slot in dict.fromkeys(slots) if slot not in held]
 
     def slots_per_sequence(self, num_tokens: int) -> int:
@@ -131,7 +142,7 @@ class LinearStateSlots:
         elif num_kept == num:  # slot k holds the state after token k * interval, the last one after all
             states = {past + min((k + 1) * interval if interval else num, num): slot for k, slot in enumerate(written)}
         else:
-            self._drop(seq, written)
+            self._drop(written)
             raise ValueError(f"a call of {num} tokens keeps only its final linear-attention state: it cannot "
                              f"commit {num_kept} of them (calls of up to {self.max_checkpoints} tokens can)")
         old = self.committed[seq]
@@ -139,7 +150,7 @@ class LinearStateSlots:
         if self.checkpoint_every:
             kept = self.kept_at.setdefault(seq, {})
             kept.update((pos, slot) for pos, slot in states.items() if pos % self.checkpoint_every == 0)
-        self._drop(seq, [old, *written])
+        self._drop([old, *written])
 
     def rewind_floor(self, seq, length: int) -> int:
         """The longest length <= `length` this sequence can go back to exactly: a kept state's, else 0."""
@@ -151,11 +162,34 @@ class LinearStateSlots:
         old = self.committed[seq]
         self.committed[seq] = kept[length]
         dropped = [kept.pop(pos) for pos in [p for p in kept if p > length]]
-        self._drop(seq, [old, *dropped])
+        self._drop([old, *dropped])
+
+    def share(self, seq, position: int, key) -> None:
+        """Move the state this sequence kept at position into `shared` under key (module contract);
+        key None drops it."""
+        slot = self.kept_at[seq].pop(position)
+        if key is None:
+            self._drop([slot])
+            return
+        if key in self.shared:  # another sequence shared the same prefix first: keep that one
+            self.shared.move_to_end(key)
+            self._drop([slot])
+            return
+        self.shared[key] = slot
+        while len(self.shared) > self.max_shared:
+            _, oldest = self.shared.popitem(last=False)
+            self._drop([oldest])
+
+    def adopt(self, seq, key) -> None:
+        """Start a new sequence from the shared state under key: its committed state, read in place."""
+        if seq in self.committed:
+            raise RuntimeError(f"sequence {seq!r} already has a state")
+        self.shared.move_to_end(key)
+        self.committed[seq] = self.shared[key]
 
     def release(self, seq) -> None:
         written = self.written.pop(seq, ((),))[0]
         slots = [*written, *self.kept_at.pop(seq, {}).values()]
         if seq in self.committed:
             slots.append(self.committed.pop(seq))
-        self.free += list(dict.fromkeys(slots))
+        self._drop(slots)

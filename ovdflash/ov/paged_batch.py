@@ -16,6 +16,12 @@ Contract:
   `features[block, slot, H]` (grown with the KV tensors, counted in `pool_bytes_per_block`).
   `cached_features(seq_id)` holds those of the blocks `reserve` shared with a sequence, for the
   drafter's context. Outputs are those of a full prefill, since a block is found only by its exact tokens.
+  A hybrid target also needs the linear-attention state after the shared prefix: its sequences keep
+  the state at every multiple of `linear.checkpoint_every` tokens (whole blocks) and share it under
+  the digest of the block it ends (`linear.share`, at most `linear.max_shared`: about the pool's KV
+  memory); `reserve` shares only the blocks up to the last one with a shared state and starts the
+  sequence from that state (`linear.adopt`), so a prompt that parts from a cached one mid-interval
+  reuses the prefix up to the last kept state before.
 - `wide`, `wide_from`: the target's f32-weight copy and the call size from which it runs, as in
   `OVPagedTarget` (`batch_target_for` passes the single-sequence target's); both share the pool.
 - `forward(batch)`: batch = [(seq_id, token_ids, rows)], one inference for all: per sequence
@@ -47,6 +53,7 @@ from .paged import (
     PagedKV,
     block_tokens_of,
     bytes_per_block,
+    checkpoint_interval,
     paged_cache_inputs,
 )
 from .runners import OVDrafter
@@ -92,6 +99,10 @@ def describe_pool(compiled: ov.CompiledModel, pool_blocks: int, prefix_caching: 
         slot = sum(int(np.prod(shape)) * element_type.size for _, element_type, shape in tables)
         text += (f"; linear-attention state {slot / 2 ** 20:.2f} MiB a slot, a sequence holds 1 "
                  f"(+1 a verified token during a verify of up to {MAX_CHECKPOINTS})")
+        if prefix_caching:
+            every = checkpoint_interval(slot, bytes_per_block(cache_inputs), block_tokens)
+            text += (f", and prefixes share the state every {every} tokens, at most "
+                     f"{max(1, pool_blocks * block_tokens // every)} slots")
     return text
 
 
@@ -125,7 +136,7 @@ class OVPagedBatchTarget(PagedKV):
 
     kind = "paged-batch"
     no_cache_inputs = NO_CACHE_INPUTS
-    reserve, committed, blocks_for, pool_usage = _pooled("reserve", "committed", "blocks_for", "pool_usage")
+    committed, blocks_for, pool_usage = _pooled("committed", "blocks_for", "pool_usage")
     pool_blocks, free_blocks, num_reserved, num_referenced, num_budgeted = _pooled(
         "pool_blocks", "free_blocks", "num_reserved", "num_referenced", "num_budgeted")
     seqs, refs, free = _pooled("seqs", "refs", "free")
@@ -136,14 +147,35 @@ class OVPagedBatchTarget(PagedKV):
                  initial_blocks: int = 16, prefix_caching: bool = True, wide: ov.CompiledModel | None = None,
                  wide_from: int = WIDE_FROM):
         super().__init__(compiled, max_length, wide, wide_from)
-        # a hybrid target's cached blocks would lack the linear-attention state of their prefix
-        self.caches_prefixes = bool(prefix_caching) and self.linear is None
+        self.caches_prefixes = bool(prefix_caching)
         if pool_blocks is None:
             pool_blocks = default_pool_blocks(compiled, max_length, self.caches_prefixes)
         width = feature_width_of(compiled) if self.caches_prefixes else 0
         self.features = np.zeros((0, self.block_tokens, width), dtype=np.float32)  # [block, slot, H]
         self.pool = BlockPool(pool_blocks, self.block_tokens, max_length, self.fit_blocks, initial_blocks,
                               self.caches_prefixes)
+        if self.linear is not None and self.caches_prefixes:  # shared prefixes need their linear-attention state
+            every = checkpoint_interval(self.linear.bytes_per_slot, self.bytes_per_block, self.block_tokens)
+            self.linear.checkpoint_every = every
+            self.linear.max_shared = max(1, pool_blocks * self.block_tokens // every)
+            self.pool.match_limit = self._blocks_with_state
+
+    def _blocks_with_state(self, digests: list[bytes]) -> int:
+        """Leading matched blocks a hybrid sequence may share: up to the last one whose state is shared."""
+        per_state = self.linear.checkpoint_every // self.block_tokens
+        for num in range(len(digests) - len(digests) % per_state, 0, -per_state):
+            if digests[num - 1] in self.linear.shared:
+                return num
+        return 0
+
+    def reserve(self, seq_id, num_tokens: int, prompt_ids=None) -> bool:
+        """Book a sequence's blocks (`BlockPool.reserve`); a hybrid one that shares cached blocks starts
+        from the linear-attention state after them."""
+        if not self.pool.reserve(seq_id, num_tokens, prompt_ids):
+            return False
+        if self.linear is not None and self.pool.matched_blocks(seq_id):
+            self.linear.adopt(seq_id, self.pool.digests(seq_id)[-1])
+        return True
 
     def _grow(self, num_blocks: int) -> None:
         allocated = self.num_blocks
@@ -202,6 +234,10 @@ class OVPagedBatchTarget(PagedKV):
         self.pool.commit(seq_id, num_kept, token_ids)
         if self.linear is not None:
             self.linear.commit(seq_id, num_kept)
+            digests = self.pool.digests(seq_id) if token_ids is not None else []
+            for position in list(self.linear.kept_at.get(seq_id, {})):  # kept states go to the shared ones
+                block = position // self.block_tokens
+                self.linear.share(seq_id, position, digests[block - 1] if 0 < block <= len(digests) else None)
         if self.caches_prefixes and token_ids is not None:  # the features stay with their block
             assert len(features) >= num_kept
             blocks, slots = self.pool.slots(seq_id, start, start + num_kept)

@@ -95,8 +95,7 @@ def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_
         )
 
         compiled = paged_compiled(pipe.target)  # another runner: a clear error
-        # a hybrid target's blocks lack their prefix's linear-attention state: no prefix caching
-        caching = bool(pipe.prefix_cache) and getattr(pipe.target, "linear", None) is None
+        caching = bool(pipe.prefix_cache)
         pool_blocks = (blocks_for_bytes(compiled, parse_bytes(kv_cache_memory_bytes), caching)
                        if kv_cache_memory_bytes is not None else default_pool_blocks(compiled, context, caching))
         pool_text = describe_pool(compiled, pool_blocks, caching)
