@@ -1,7 +1,8 @@
-"""Build the benchmark hybrid of docs/BENCHMARKS.md ("Hybrid targets"): a random Qwen3.5 text target
-(hidden 1024, 16 layers: 12 Gated DeltaNet with 8 key / 16 value heads of 64, 4 full attention with
-8 query / 2 KV heads of 128; 49,152-row vocabulary) and a random 2-layer DFlash drafter (block 16),
-exported with fp16 weights. Random weights: for timing and memory, not acceptance.
+"""Build a hybrid of the benchmark geometry in docs/BENCHMARKS.md ("Hybrid targets"): a random Qwen3.5
+text target (hidden 1024, 16 layers: 12 Gated DeltaNet with 8 key / 16 value heads of 64, 4 full
+attention with 8 query / 2 KV heads of 128; 49,152 embedding rows, the project's tiny byte-level
+tokenizer) and a random 2-layer DFlash drafter (block 16), exported with fp16 weights. Random
+weights: for timing and memory, not acceptance.
 Usage: python tools/make_bench_hybrid.py OUT_DIR [--work DIR]
 """
 from __future__ import annotations
