@@ -449,3 +449,29 @@ def test_batched_hybrid_prefix_cache_shares_kept_states(paged_pipe):
         linear.max_shared = kept
     assert not linear.committed and not linear.written and not linear.kept_at
     assert len(linear.free) + len(linear.shared) == linear.num_slots  # nothing leaked
+
+
+def test_the_batched_server_reuses_a_hybrid_prefix(paged_pipe):
+    """`ovdflash serve --max-num-seqs 4` on the hybrid: requests after a finished one that share its long
+    system prompt report the reused tokens (a multiple of `checkpoint_every`) and reply as without a cache."""
+    pytest.importorskip("fastapi")
+    import openai
+    from test_serve import serving_app
+
+    from ovdflash.server.wiring import build_server_app
+
+    system = "You are a careful assistant. Answer briefly and never make things up. " * 7
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": u}]
+             for u in ("Name a colour.", "Say hello.", "Count to three.")]
+    app = build_server_app(paged_pipe, ["tiny"], block_size=4, max_num_seqs=4)
+    with serving_app(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        replies = [client.chat.completions.create(model="tiny", messages=m, max_tokens=6, temperature=0)
+                   for m in chats]
+    every = paged_pipe.batch_target().linear.checkpoint_every
+    num_system = len(paged_pipe.tokenizer.encode_chat(chats[0][:1], add_generation_prompt=False))
+    cached = [r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0 for r in replies]
+    assert num_system >= 2 * every and cached[0] == 0, (num_system, every)
+    assert all(c >= num_system // every * every and c % every == 0 for c in cached[1:]), cached
+    texts = [paged_pipe.generate(m, max_new_tokens=6, block_size=4, prefix_cache=False).text for m in chats]
+    assert [r.choices[0].message.content for r in replies] == texts
