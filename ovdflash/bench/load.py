@@ -108,7 +108,7 @@ async def _run_load(base_url, prompts, concurrency, max_tokens, model, api_key, 
     import httpx
     import openai
 
-    http = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), timeout=timeout_s)
+    http = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0))  # openai sets each request's timeout
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "EMPTY", max_retries=0, timeout=timeout_s,
                                 http_client=http)
     async with client:

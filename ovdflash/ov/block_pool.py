@@ -57,11 +57,19 @@ class SequenceBlocks:
     pending: int = 0         # tokens of the last forward not committed yet
     budget: int = 0          # blocks it may still take from the pool (its booking, less what it took)
     blocks: list = field(default_factory=list)  # its block table: shared cached blocks first
-    num_hashed: int = 0      # leading blocks whose digest is known (matched or registered)
-    digest: bytes = b""      # chain digest of those blocks
-    digests: list = field(default_factory=list)  # chain digest after each hashed block
+    digests: list = field(default_factory=list)  # chain digest after each leading block whose digest is known
     tail_ids: list = field(default_factory=list)  # committed token ids after the hashed blocks
     num_matched: int = 0     # leading blocks shared from the prefix cache at reserve
+
+    @property
+    def num_hashed(self) -> int:
+        """Leading blocks whose digest is known (matched or registered)."""
+        return len(self.digests)
+
+    @property
+    def digest(self) -> bytes:
+        """Chain digest of the hashed blocks (b"" for none)."""
+        return self.digests[-1] if self.digests else b""
 
 
 class PrefixCache:
@@ -90,11 +98,9 @@ class PrefixCache:
         """Cache every block the sequence's committed `tail_ids` fill, under the chain digest."""
         b = self.block_tokens
         while len(seq.tail_ids) >= b:
-            seq.digest = block_digest(seq.digest, np.asarray(seq.tail_ids[:b]))
-            seq.digests.append(seq.digest)
-            del seq.tail_ids[:b]
             block = seq.blocks[seq.num_hashed]
-            seq.num_hashed += 1
+            seq.digests.append(block_digest(seq.digest, np.asarray(seq.tail_ids[:b])))
+            del seq.tail_ids[:b]
             if seq.digest not in self.cached:  # else another sequence computed the same block: keep that one
                 self.cached[seq.digest] = block
                 self.digest_of[block] = seq.digest
@@ -184,7 +190,6 @@ class BlockPool:
         if need - len(matched) + idle_matched > self.free_blocks:
             return False
         seq = SequenceBlocks(committed=len(matched) * self.block_tokens, budget=need - len(matched),
-                             num_hashed=len(matched), digest=matched[-1][0] if matched else b"",
                              digests=[digest for digest, _ in matched], num_matched=len(matched))
         for _, block in matched:
             self._hold(block)

@@ -100,10 +100,16 @@ def describe_pool(compiled: ov.CompiledModel, pool_blocks: int, prefix_caching: 
         text += (f"; linear-attention state {slot / 2 ** 20:.2f} MiB a slot, a sequence holds 1 "
                  f"(+1 a verified token during a verify of up to {MAX_CHECKPOINTS})")
         if prefix_caching:
-            every = checkpoint_interval(slot, bytes_per_block(cache_inputs), block_tokens)
-            text += (f", and prefixes share the state every {every} tokens, at most "
-                     f"{max(1, pool_blocks * block_tokens // every)} slots")
+            every, most = shared_states(slot, bytes_per_block(cache_inputs), block_tokens, pool_blocks)
+            text += f", and prefixes share the state every {every} tokens, at most {most} slots"
     return text
+
+
+def shared_states(bytes_per_slot: int, block_bytes: int, block_tokens: int, pool_blocks: int) -> tuple[int, int]:
+    """A hybrid pool's prefix sharing: (tokens between kept linear-attention states, most states
+    shared), so that the shared states take at most about the pool's KV memory."""
+    every = checkpoint_interval(bytes_per_slot, block_bytes, block_tokens)
+    return every, max(1, pool_blocks * block_tokens // every)
 
 
 def blocks_for_bytes(compiled: ov.CompiledModel, num_bytes: int, prefix_caching: bool = True) -> int:
@@ -155,9 +161,8 @@ class OVPagedBatchTarget(PagedKV):
         self.pool = BlockPool(pool_blocks, self.block_tokens, max_length, self.fit_blocks, initial_blocks,
                               self.caches_prefixes)
         if self.linear is not None and self.caches_prefixes:  # shared prefixes need their linear-attention state
-            every = checkpoint_interval(self.linear.bytes_per_slot, self.bytes_per_block, self.block_tokens)
-            self.linear.checkpoint_every = every
-            self.linear.max_shared = max(1, pool_blocks * self.block_tokens // every)
+            self.linear.checkpoint_every, self.linear.max_shared = shared_states(
+                self.linear.bytes_per_slot, self.bytes_per_block, self.block_tokens, pool_blocks)
             self.pool.match_limit = self._blocks_with_state
 
     def _blocks_with_state(self, digests: list[bytes]) -> int:
