@@ -146,13 +146,12 @@ def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
 
 
 def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """One draw from a probability vector (inverse CDF; one uniform per draw)."""
-    cdf = np.cumsum(probs)
-    idx = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-    idx = min(idx, len(probs) - 1)
-    while probs[idx] == 0.0:  # rounding at the top end of the CDF: step back onto a live token
-        idx -= 1
-    return idx
+    """One draw from a probability vector: the exponential race argmax_i p_i / E_i, E_i ~ Exp(1)
+    drawn per token id (the Gumbel-max trick). Tiny differences in `probs` between kernel paths
+    move the winner only at a near-tie of the top scores, not at every boundary of a CDF."""
+    race = rng.standard_exponential(len(probs), dtype=np.float32)
+    np.maximum(race, np.float32(1e-30), out=race)  # an exact 0 would turn a dead token's 0/0 into NaN
+    return int(np.argmax(probs / race))
 
 
 def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
