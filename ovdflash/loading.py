@@ -4,14 +4,17 @@ Contract:
 - `from_pretrained(cls, model_dir=None, device="CPU", draft=True, cache_dir=None, ...)` is
   `DFlashPipeline.from_pretrained` (the pipeline's contract says what each option does): it reads
   the manifest, compiles the pair with CACHE_DIR set (`DEFAULT_CACHE_DIR` unless given), times the
-  paged target's f32-weight copy where it has one, builds `cls(...)` and, with
+  paged target's f32-weight copy where it has one (then compiles its narrow target afresh:
+  `OVPagedTarget.recompile_narrow`; the result is kept per `calibration_host`, so a later load
+  on the same host reads it instead), builds `cls(...)` and, with
   `release_weight_pages`, primes it and drops the mapped weight pages.
 - `release_weight_pages(pipe) -> int` runs every kernel shape once (a prefill, a verify, an AR
   step), leaves the runners, the prefix cache and the stats as they were, then drops the resident
   pages of the mapped IR files (ovdflash.ov.memory); returns the bytes advised.
 - `warm_up(pipe, num_tokens=4, block_size=None)`: one short generation, the stats left alone.
 - `default_model_dir()`: the embedded default model's directory (ovdflash_models), fetched once.
-- `wide_copy_ir(target)`: the IR file of a target's f32-weight copy, None without one.
+- `wide_copy_ir(target)`: the IR file of a target's f32-weight copy, None without one;
+  `weight_files(model_dir, target)`: every IR weight file the loaded pair maps.
 
 Imports: decode/, ov/ (what loads openvino only inside the functions that need it), manifest,
 tokenizer; never the pipeline (it gets the class or the instance as an argument), server/, bench/
@@ -45,6 +48,36 @@ def wide_copy_ir(target) -> Path | None:
     return target.wide_xml if target.kind == "paged" else None
 
 
+def cpu_model_name() -> str | None:
+    """The first CPU's model name, family and model from /proc/cpuinfo (None where there is none)."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if not key.strip():
+                    break  # the first processor's block ends here
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return None
+    if "model name" not in fields:
+        return None
+    return f"{fields['model name']} family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+
+
+def calibration_host(target, device: str, config: dict) -> str:
+    """What a calibration of the f32-weight copy depends on besides the target file (ov.wide_target)."""
+    import openvino as ov
+
+    core = ov.Core()
+    name = f"{cpu_model_name() or core.get_property(device, 'FULL_DEVICE_NAME')} " \
+           f"({' '.join(core.get_property(device, 'OPTIMIZATION_CAPABILITIES'))})"
+    threads = target.compiled.get_property("INFERENCE_NUM_THREADS")
+    settings = ",".join(f"{k}={v}" for k, v in sorted(config.items()) if k != "CACHE_DIR")
+    sizes = ",".join(map(str, target.calibration_sizes()))
+    return f"{name}; {device}; {threads} threads; openvino {ov.get_version()}; sizes {sizes}; {settings}"
+
+
 def from_pretrained(cls, model_dir: str | Path | None = None, device: str = "CPU", draft: bool = True,
                     cache_dir: str | Path | None = None, use_draft_vocab: bool = True,
                     target_runner: str | None = None, prompt_lookup: bool = True,
@@ -52,6 +85,8 @@ def from_pretrained(cls, model_dir: str | Path | None = None, device: str = "CPU
                     prefix_cache: bool = True, wide_target: bool | None = None,
                     **compile_options):
     from .ov.compile import compile_runners  # openvino is only needed from here on
+    from .ov import wide_target as wide_weights
+    from .ov.memory import release_mapped_files
 
     if isinstance(model_dir, str) and not model_dir.strip():  # Path("") would quietly mean "."
         raise ValueError("model_dir is empty: give an ovdflash model directory, or None for the embedded default")
@@ -67,8 +102,18 @@ def from_pretrained(cls, model_dir: str | Path | None = None, device: str = "CPU
     linear = getattr(target, "linear", None)
     if linear is not None:  # a verify of a whole block must keep a linear-attention state per token
         linear.max_checkpoints = max(linear.max_checkpoints, int(manifest["block_size"]))
-    if wide_copy_ir(target) is not None:
-        target.calibrate_wide()  # which call sizes the f32-weight copy runs, on this host
+    wide_xml = wide_copy_ir(target)
+    if wide_xml is not None:  # which call sizes the f32-weight copy runs: measured once per host
+        host = calibration_host(target, device, config)
+        found, wide_from = wide_weights.cached_wide_from(wide_xml, host)
+        if found:
+            target.use_wide_from(wide_from)
+            target.narrow_compiler = None
+        else:  # the IR pages go as each shape's repacking read them
+            target.calibrate_wide(release_pages=(lambda: release_mapped_files(weight_files(model_dir, target)))
+                                  if release_weight_pages else None)
+            target.recompile_narrow()
+            wide_weights.store_wide_from(wide_xml, host, target.wide_from if target.wide_request is not None else None)
     tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
     pipe = cls(target, drafter, tokenizer, manifest["eos_token_ids"], manifest["block_size"],
                manifest["mask_token_id"], model_dir, manifest.get("bos_token_id"),
@@ -105,12 +150,17 @@ def release_weight_pages(pipe) -> int:
         if runner is not None:
             runner.reset()
     pipe.prefix_store.invalidate()
-    files = [pipe.model_dir / "target" / "openvino_model.bin",
-             pipe.model_dir / "drafter" / "openvino_model.bin"] if pipe.model_dir is not None else []
-    wide_xml = wide_copy_ir(pipe.target)
+    return release_mapped_files(weight_files(pipe.model_dir, pipe.target))
+
+
+def weight_files(model_dir: Path | None, target) -> list[Path]:
+    """The IR weight files a loaded pair maps: target, drafter, and the target's f32-weight copy."""
+    files = [model_dir / "target" / "openvino_model.bin",
+             model_dir / "drafter" / "openvino_model.bin"] if model_dir is not None else []
+    wide_xml = wide_copy_ir(target)
     if wide_xml is not None:
         files.append(wide_xml.with_suffix(".bin"))
-    return release_mapped_files(files)
+    return files
 
 
 def warm_up(pipe, num_tokens: int = 4, block_size: int | str | None = None) -> None:

@@ -50,6 +50,19 @@ def test_f32_weights_replace_every_converted_f16_constant_of_a_copy(fp16_pair):
     assert graphs.with_f32_weights(copy)[1] == 0
 
 
+def assert_narrow_step_reads_the_copys_kv(target, prompt):
+    """After `prompt` was committed by a call on the copy: a narrow 1-token step reads the KV it
+    wrote (its logits equal a whole forward's last row). Leaves the target at len(prompt) + 1."""
+    step_logits, _ = target.forward(prompt[:1], all_logits=True)
+    assert target.last_request is target.request
+    step = np.array(step_logits[0])
+    target.commit(1)
+    target.reset()
+    full, _ = target.forward(np.r_[prompt, prompt[:1]], all_logits=True)
+    np.testing.assert_allclose(step, full[-1], atol=1e-4)
+    target.commit(len(prompt) + 1)
+
+
 def test_wide_calls_run_on_the_copy_and_share_the_cache(runners):
     target, _ = runners
     rng = np.random.default_rng(0)
@@ -58,14 +71,7 @@ def test_wide_calls_run_on_the_copy_and_share_the_cache(runners):
     target.forward(prompt, all_logits=False)
     assert target.last_request is target.wide_request
     target.commit(len(prompt))
-    step_logits, _ = target.forward(prompt[:1], all_logits=True)  # narrow, reading the KV the copy wrote
-    assert target.last_request is target.request
-    step = np.array(step_logits[0])
-    target.commit(1)
-    target.reset()
-    full, _ = target.forward(np.r_[prompt, prompt[:1]], all_logits=True)
-    np.testing.assert_allclose(step, full[-1], atol=1e-4)
-    target.commit(len(prompt) + 1)
+    assert_narrow_step_reads_the_copys_kv(target, prompt)
     for name, tensor in target.caches.items():
         assert target.wide_request.get_tensor(name).data.ctypes.data == tensor.data.ctypes.data
 
@@ -178,3 +184,74 @@ def test_the_copys_file_pages_are_dropped_right_after_its_compile(fp16_pair, tmp
     assert target.wide_xml is not None
     copy_bin = target.wide_xml.with_suffix(".bin")
     assert mapped_resident_bytes([copy_bin]) < copy_bin.stat().st_size // 4
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5_text"])
+def test_the_narrow_target_is_renewed_after_calibration_and_keeps_reading_the_shared_cache(export_tiny_pair, arch):
+    """recompile_narrow: a fresh narrow compile (the calibration's wide-size calls left the old one's
+    kernels resident) bound to the same KV tensors (and a hybrid's state tables); nothing happens
+    once the copy is dropped."""
+    fp16_pair = export_tiny_pair(arch=arch, target_layer_ids=(1, 3) if arch == "qwen3_5_text" else (1, 2),
+                                 target_weight_format="fp16")
+    target, _ = compile_runners(fp16_pair, load_manifest(fp16_pair), config=CONFIG, with_drafter=False)
+    old = target.compiled
+    assert target.narrow_compiler is not None
+    target.wide_from = 2
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(1, 500, 20)
+    target.forward(prompt, all_logits=False)  # on the copy, before the renewal
+    target.commit(len(prompt))
+    assert target.recompile_narrow()
+    assert target.compiled is not old and target.narrow_compiler is None and target.last_request is target.request
+    for name, tensor in target.caches.items():
+        assert target.request.get_tensor(name).data.ctypes.data == tensor.data.ctypes.data
+    if target.linear is not None:
+        assert target.request in target.linear.requests and len(target.linear.requests) == 2
+        for name, tensor in target.linear.tables.items():
+            assert target.request.get_tensor(name).data.ctypes.data == tensor.data.ctypes.data
+    assert_narrow_step_reads_the_copys_kv(target, prompt)
+    assert not target.recompile_narrow()  # the compiler is spent
+
+    dropped, _ = compile_runners(fp16_pair, load_manifest(fp16_pair), config=CONFIG, with_drafter=False)
+    kept = dropped.compiled
+    dropped.drop_wide()
+    assert not dropped.recompile_narrow() and dropped.compiled is kept and dropped.narrow_compiler is None
+
+
+def test_the_calibration_is_kept_per_host_and_read_back_by_later_loads(fp16_pair, tmp_path, monkeypatch):
+    """The first load stores its result beside the copy's IR; later loads with the same host key apply
+    the stored value (a size, or None: no copy) without calibrating; an unreadable file or a bad value
+    means calibrating again."""
+    import json
+
+    from ovdflash.ov import wide_target
+
+    def load():
+        return DFlashPipeline.from_pretrained(fp16_pair, cache_dir=tmp_path, INFERENCE_NUM_THREADS=1, **STRICT_F32)
+
+    first = load()
+    files = list((tmp_path / "wide").glob("*/calibration.json"))
+    assert len(files) == 1
+    entries = json.loads(files[0].read_text())
+    (host, stored), = entries.items()
+    assert "1 threads" in host and "INFERENCE_PRECISION_HINT=f32" in host
+    assert stored == (first.target.wide_from if first.target.wide_request is not None else None)
+
+    calibrations = []
+    real = OVPagedTarget.calibrate_wide
+    monkeypatch.setattr(OVPagedTarget, "calibrate_wide",
+                        lambda self, *a, **k: calibrations.append(1) or real(self, *a, **k))
+    files[0].write_text(json.dumps({host: 12}))
+    again = load()
+    assert not calibrations and again.target.wide_request is not None and again.target.wide_from == 12
+    assert again.target.narrow_compiler is None
+    prompt = np.random.default_rng(5).integers(1, 500, 12).tolist()
+    ar = [e.token for e in again.generate_tokens(prompt, 16, draft=False, eos_token_ids=[])]
+    assert [e.token for e in again.generate_tokens(prompt, 16, block_size=4, eos_token_ids=[])] == ar
+    files[0].write_text(json.dumps({host: None}))
+    assert load().target.wide_request is None and not calibrations
+    for bad in ("not json", json.dumps({host: 0}), json.dumps({host: True}), json.dumps({"another host": 5})):
+        files[0].write_text(bad)
+        load()
+    assert len(calibrations) == 4
+    assert wide_target.cached_wide_from(files[0].parent / "openvino_model.xml", host)[0]  # stored again

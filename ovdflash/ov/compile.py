@@ -146,6 +146,8 @@ def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", 
                 release_mapped_files([wide_xml.with_suffix(".bin")])
             target = OVPagedTarget(compiled_target, max_length, wide=wide, **target_options)
             target.wide_xml = wide_xml
+            if wide is not None:  # for recompile_narrow after the calibration
+                target.narrow_compiler = lambda: core.compile_model(target_model, device, target_config)
         else:
             target = OVTarget(compiled_target, max_length, seq_axes, **target_options)
     if with_drafter:

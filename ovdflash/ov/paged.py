@@ -12,13 +12,16 @@ Contract:
     `num_cache_grows`);
   * the requests: `request`, and `wide_request` on `wide`, the target's f32-weight copy, for calls of
     `wide_from` tokens or more (`request_for`, `num_wide_calls`, `last_request`, `drop_wide`;
-    `wide_compiled`, `wide_xml` for ovdflash.ov.memory);
+    `wide_compiled`, `wide_xml` for ovdflash.ov.memory); `renew_narrow(compiled)` moves the
+    narrow request onto a fresh compile of the same target;
   * `run_flat(...)`: one inference of a flattened call (the tokens of every sequence one after
     another, with the paged inputs that place them) through `run_request`, and `outputs()`: the
     logits and features it left in `last_request`.
 - `OVPagedTarget` implements decode's `TargetRunner` on it for one sequence in blocks 0, 1, 2, ...
   in order: `past_lens` = committed tokens, so a rollback is `commit(k)` alone and the next forward
-  overwrites the rejected slots. `calibrate_wide()` times the f32-weight copy on this host.
+  overwrites the rejected slots. `calibrate_wide()` times the f32-weight copy on this host; then
+  `recompile_narrow()` (with `narrow_compiler` set) renews the narrow target, whose wide-size
+  calls in the calibration left kernels and repacked weights resident that it never uses again.
 May import: numpy, openvino, `.inference` and `.linear_states`; `runners` and `paged_batch` build on this module.
 """
 from __future__ import annotations
@@ -35,6 +38,7 @@ from .linear_states import LinearStateSlots, state_table_inputs
 
 # calls of this many tokens or more run on the paged target's f32-weight copy until calibrate_wide measures
 WIDE_FROM = 5
+CALIBRATION_SIZES = (2, 4, 5, 6, 8, 12, 16, 32)  # the call sizes calibrate_wide times
 
 
 def paged_cache_inputs(compiled: ov.CompiledModel) -> list:
@@ -126,6 +130,27 @@ class PagedKV:
         self.last_request = self.wide_request if wide else self.request
         return self.last_request
 
+    def renew_narrow(self, compiled: ov.CompiledModel) -> None:
+        """Run narrow calls on `compiled` (the same target compiled again); the old compile goes with
+        its last reference."""
+        old = self.request
+        self.compiled, self.request = compiled, compiled.create_infer_request()
+        for name, tensor in self.caches.items():
+            self.request.set_tensor(name, tensor)
+        if self.linear is not None:
+            self.linear.requests = [r for r in self.linear.requests if r is not old]
+            self.linear.bind(self.request)
+        self.last_request = self.request
+
+    def recompile_narrow(self) -> bool:
+        """After calibrate_wide kept the copy: a fresh narrow compile that has run only narrow calls.
+        Returns whether it renewed; the compiler is dropped either way."""
+        compiler, self.narrow_compiler = self.narrow_compiler, None
+        if compiler is None or self.wide_request is None:
+            return False
+        self.renew_narrow(compiler())
+        return True
+
     def drop_wide(self) -> None:
         """Forget the f32-weight copy (its memory goes with the last reference)."""
         self.wide_compiled = self.wide_request = self.wide_xml = None
@@ -188,10 +213,7 @@ class OVPagedTarget(LogitRows, PagedKV):
     def __init__(self, compiled: ov.CompiledModel, max_length: int, initial_blocks: int = 16,
                  wide: ov.CompiledModel | None = None, wide_from: int = WIDE_FROM):
         super().__init__(compiled, max_length, wide, wide_from)
-        names = {n for o in compiled.outputs for n in o.get_names()}
-        # a graph scoring its next tokens itself (the feature pass's) has no logits output
-        self.logits_out = compiled.output("logits") if "logits" in names else None
-        self.hidden_out = compiled.output("target_hidden")
+        self._bind_outputs(compiled)
         self.block_indices = np.arange(-(-(max_length + 1) // self.block_tokens), dtype=np.int32)
         # one sequence's paged inputs, reused by every call
         self.past_lens = np.zeros(1, dtype=np.int32)
@@ -204,18 +226,31 @@ class OVPagedTarget(LogitRows, PagedKV):
                                                               self.bytes_per_block, self.block_tokens)
         self.reset()
 
-    def calibrate_wide(self, sizes=(2, 4, 5, 6, 8, 12, 16, 32), repetitions: int = 3,
-                       context_tokens: int = 64) -> int | None:
+    def _bind_outputs(self, compiled: ov.CompiledModel) -> None:
+        names = {n for o in compiled.outputs for n in o.get_names()}
+        # a graph scoring its next tokens itself (the feature pass's) has no logits output
+        self.logits_out = compiled.output("logits") if "logits" in names else None
+        self.hidden_out = compiled.output("target_hidden")
+
+    def renew_narrow(self, compiled: ov.CompiledModel) -> None:
+        super().renew_narrow(compiled)
+        self._bind_outputs(compiled)  # ports keep their compiled model alive
+
+    def calibrate_wide(self, sizes=CALIBRATION_SIZES, repetitions: int = 3,
+                       context_tokens: int = 64, release_pages=None) -> int | None:
         """Time calls of each size on both requests (interleaved, medians, after a 64-token
         context) and use the wide one from the smallest size at which it is faster at that size
-        and every larger one; drop it when it never is. Returns wide_from, or None."""
+        and every larger one; drop it when it never is. Returns wide_from, or None.
+        `release_pages()` runs after each untimed first call of a shape (the IR pages its repacking
+        read are needed no more), so the load's peak holds one shape's pages, not every file's."""
         if self.wide_request is None:
             return None
-        if self.linear is not None:  # a partial commit needs a state per token
-            sizes = [s for s in sizes if s <= self.linear.max_checkpoints]
+        sizes = self.calibration_sizes(sizes)
         self.reset()
         self.run(np.ones(context_tokens, dtype=np.int64), np.array([context_tokens - 1]))
         self.commit(context_tokens)
+        if release_pages is not None:
+            release_pages()
         times = {(size, wide): [] for size in sizes for wide in (False, True)}
         kept = self.wide_from
         for rep in range(repetitions + 1):  # the first repetition warms each shape up, untimed
@@ -226,16 +261,28 @@ class OVPagedTarget(LogitRows, PagedKV):
                     self.run(np.ones(size, dtype=np.int64), np.arange(size))
                     if rep:
                         times[size, wide].append(time.perf_counter() - t0)
+                    elif release_pages is not None:
+                        release_pages()
                     self.commit(1)
         self.wide_from = kept
         self.reset()
         faster = [statistics.median(times[s, True]) < statistics.median(times[s, False]) for s in sizes]
         start = next((i for i in range(len(sizes)) if all(faster[i:])), None)
-        if start is None:
+        self.use_wide_from(None if start is None else sizes[start])
+        return None if start is None else self.wide_from
+
+    def calibration_sizes(self, sizes=CALIBRATION_SIZES) -> tuple[int, ...]:
+        """The call sizes `calibrate_wide` times (a hybrid's are capped by its per-token states)."""
+        if self.linear is not None:  # a partial commit needs a state per token
+            return tuple(s for s in sizes if s <= self.linear.max_checkpoints)
+        return tuple(sizes)
+
+    def use_wide_from(self, wide_from: int | None) -> None:
+        """Apply a calibration's result: the copy from `wide_from` tokens, or (None) no copy."""
+        if wide_from is None:
             self.drop_wide()
-            return None
-        self.wide_from = sizes[start]
-        return self.wide_from
+        else:
+            self.wide_from = int(wide_from)
 
     def reset(self) -> None:
         self.committed = 0  # tokens with KV in the cache, all of them valid

@@ -12,12 +12,18 @@ Contract:
   (keyed by the files' size and mtime) under cache_dir/wide, by a child process, so the converting
   process's memory never joins the caller's; the caller maps it like any IR, and its pages can be
   released after the first calls (ovdflash.ov.memory). cache_dir None: a directory removed at exit.
+- `cached_wide_from(wide_xml, host)` -> (found, wide_from) and `store_wide_from(wide_xml, host, wide_from)`:
+  the calibration's result (an int, or None for "the copy never pays") per host key, in
+  `calibration.json` beside the copy's IR, so a later load on the same host, threads and openvino skips
+  the calibration (and the narrow target's wide-size kernels it leaves resident). A missing or
+  unreadable entry is not found; writes replace the file whole. Delete it to measure again.
 - `python -m ovdflash.ov.wide_target SRC_XML DST_XML` is that child.
 """
 from __future__ import annotations
 
 import atexit
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -67,6 +73,41 @@ def f32_weights_ir(target_xml: Path, cache_dir: str | Path | None = None) -> Pat
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def _calibration_file(wide_xml: Path) -> Path:
+    return Path(wide_xml).parent / "calibration.json"
+
+
+def _read_calibrations(wide_xml: Path) -> dict:
+    try:
+        entries = json.loads(_calibration_file(wide_xml).read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def cached_wide_from(wide_xml: Path, host: str) -> tuple[bool, int | None]:
+    entries = _read_calibrations(wide_xml)
+    if host not in entries:
+        return False, None
+    value = entries[host]
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return True, value
+    return False, None
+
+
+def store_wide_from(wide_xml: Path, host: str, wide_from: int | None) -> None:
+    entries = {**_read_calibrations(wide_xml), host: wide_from}
+    path, tmp = _calibration_file(wide_xml), None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".calibration-", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(entries, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache: the next load measures again
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def _write(source_xml: str, out_xml: str) -> None:
