@@ -210,3 +210,15 @@ def test_chat_template_and_streaming_decode_match_transformers(tiny_pair):
     deltas = [detok.add([i]) for i in ids]
     assert "".join(deltas) + detok.flush() == hf.decode(ids, skip_special_tokens=True) == text
     assert all("\ufffd" not in d for d in deltas)
+
+
+def test_a_subcommand_that_cannot_be_imported_is_a_one_line_error(monkeypatch):
+    from click.testing import CliRunner
+
+    from ovdflash import cli
+
+    monkeypatch.setitem(cli._COMMANDS, "verify", ("ovdflash.cli.no_such_module", "verify", "Check a model directory."))
+    res = CliRunner().invoke(cli.main, ["verify"])
+    assert res.exit_code == 1, res.output
+    assert res.output.strip() == ("Error: `ovdflash verify` is unavailable: "
+                                  "No module named 'ovdflash.cli.no_such_module'"), res.output

@@ -124,3 +124,35 @@ def test_bench_cli_names_the_kind_and_reports_acceptance(pair, tmp_path):
     assert res.exit_code == 0, res.output
     data = json.loads((out / "bench_concurrency.json").read_text())
     assert data["settings"]["drafter_kind"] == kind and data["agreement"][f"batch-dflash@{BLOCK}"]["2"] == 1.0
+
+
+def test_serve_and_chat_take_the_confidence_threshold(pair, tmp_path):
+    """`--confidence-threshold` reaches the served pipeline: with DSpark, 1.0 verifies one draft a round
+    and 0.0 the whole block, the text the same; out of [0, 1] it is refused before any load."""
+    from test_serve import serving_app
+
+    from ovdflash.cli import main
+    from ovdflash.server.wiring import build_server_app, load_pipeline
+
+    kind, model_dir, _ = pair
+    strict = tuple(f"{k}={v}" for k, v in {**STRICT_F32, "INFERENCE_NUM_THREADS": 1}.items())
+    for bad in ("1.5", "-0.1"):
+        res = CliRunner().invoke(main, ["serve", str(model_dir), "--confidence-threshold", bad])
+        assert res.exit_code == 2 and "--confidence-threshold" in res.output, res.output
+    with pytest.raises(ValueError, match="confidence_threshold"):
+        load_pipeline(model_dir, "CPU", False, tmp_path, None, False, None, strict, BLOCK, confidence_threshold=2.0)
+    if kind != "dspark":
+        return
+    replies = {}
+    for threshold in (0.0, 1.0):
+        pipe = load_pipeline(model_dir, "CPU", False, tmp_path, None, False, None, strict, BLOCK,
+                             confidence_threshold=threshold)
+        assert pipe.confidence_threshold == threshold
+        with serving_app(build_server_app(pipe, ["tiny"], block_size=BLOCK)) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+            replies[threshold] = client.completions.create(model="tiny", prompt=REPEATS, max_tokens=MAX_NEW,
+                                                           temperature=0)
+    spec = {t: r.usage.model_extra["spec_decode"] for t, r in replies.items()}
+    assert replies[0.0].choices[0].text == replies[1.0].choices[0].text
+    assert spec[1.0]["num_draft_tokens"] == spec[1.0]["num_drafts"] > 0
+    assert spec[0.0]["num_draft_tokens"] > spec[0.0]["num_drafts"] > 0

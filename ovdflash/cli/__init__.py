@@ -31,9 +31,11 @@ class _LazyGroup(click.Group):
         try:
             return getattr(importlib.import_module(module), attr)
         except ImportError as exc:  # a subcommand not built yet, or an extra not installed
+            reason = str(exc)  # `exc` is unbound once the except block ends
+
             @click.command(name=name, help=_COMMANDS[name][2])
             def _missing():
-                raise click.ClickException(f"`ovdflash {name}` is unavailable: {exc}")
+                raise click.ClickException(f"`ovdflash {name}` is unavailable: {reason}")
             return _missing
 
 

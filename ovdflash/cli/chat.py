@@ -17,7 +17,7 @@ import click
 from .. import TARGET_RUNNERS
 from ..options import parse_block_size, parse_config_options, sigint_to_main_thread_only
 from ..ov.precision import PRECISIONS
-from .options import WIDE_TARGET_OPTION, compile_options
+from .options import CONFIDENCE_THRESHOLD_OPTION, WIDE_TARGET_OPTION, compile_options
 
 HELP = "commands: /reset  /stats  /quit   (Ctrl-C stops a reply, Ctrl-D quits)"
 
@@ -49,8 +49,9 @@ HELP = "commands: /reset  /stats  /quit   (Ctrl-C stops a reply, Ctrl-D quits)"
               help="Target numerics: f32 (the default; greedy DFlash equals AR) or bf16 (faster verifies on CPUs "
                    "with BF16/AMX; greedy replies can part from AR at near-ties: docs/BENCHMARKS.md).")
 @WIDE_TARGET_OPTION
+@CONFIDENCE_THRESHOLD_OPTION
 def chat(model_dir, prompt, system, temperature, top_p, top_k, max_new_tokens, block_size, no_draft, prompt_lookup,
-         prefix_cache, seed, device, cache_dir, config, target_runner, precision, wide_target):
+         prefix_cache, seed, device, cache_dir, config, target_runner, precision, wide_target, confidence_threshold):
     """Chat with MODEL_DIR (default: SmolLM2-135M + shipped drafter)."""
     from ..decode.sampling import SamplingParams
     from ..pipeline import DFlashPipeline
@@ -64,6 +65,8 @@ def chat(model_dir, prompt, system, temperature, top_p, top_k, max_new_tokens, b
                                                   prompt_lookup=prompt_lookup, precision=precision,
                                                   prefix_cache=prefix_cache, wide_target=wide_target,
                                                   **parse_config_options(config))
+            if confidence_threshold is not None:
+                pipe.confidence_threshold = confidence_threshold
             pipe.warm_up(block_size=block_size)  # with "auto" this measures its costs
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from exc

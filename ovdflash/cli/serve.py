@@ -30,7 +30,7 @@ from ..options import parse_block_size
 from ..ov.precision import PRECISIONS
 from ..server.tool_calls import describe_tool_format
 from ..server.wiring import build_server_app, is_loopback, load_pipeline, parse_bytes
-from .options import WIDE_TARGET_OPTION, compile_options
+from .options import CONFIDENCE_THRESHOLD_OPTION, WIDE_TARGET_OPTION, compile_options
 
 
 @click.command()
@@ -74,6 +74,7 @@ from .options import WIDE_TARGET_OPTION, compile_options
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None,
               help="Target numerics: f32 (the default) or bf16 (on CPUs with BF16/AMX).")
 @WIDE_TARGET_OPTION
+@CONFIDENCE_THRESHOLD_OPTION
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 @click.option("--replicas", type=click.IntRange(1), default=None,
@@ -85,8 +86,8 @@ from .options import WIDE_TARGET_OPTION, compile_options
                    "default: a local instance on loopback.")
 def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_size, no_draft, prompt_lookup,
           max_num_seqs, max_num_batched_tokens, kv_cache_memory_bytes, enable_prefix_caching, max_queue, max_model_len, max_request_bytes,
-          shutdown_timeout, device, cache_dir, config, target_runner, precision, wide_target, log_level, replicas,
-          num_cpus_per_replica, ray_address):
+          shutdown_timeout, device, cache_dir, config, target_runner, precision, wide_target, confidence_threshold,
+          log_level, replicas, num_cpus_per_replica, ray_address):
     """Serve MODEL_DIR (default: SmolLM2-135M + shipped drafter) as an OpenAI-compatible API."""
     if not api_key and not is_loopback(host) and not allow_open:
         raise click.ClickException(f"--host {host} is reachable from other machines and there is no --api-key: "
@@ -100,8 +101,10 @@ def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_s
                                 served_model_names=served_model_name, block_size=parse_block_size(block_size),
                                 no_draft=no_draft, prompt_lookup=prompt_lookup, device=device, cache_dir=cache_dir,
                                 config=config, target_runner=target_runner, precision=precision,
-                                max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                kv_cache_memory_bytes=kv_cache_memory_bytes,
                                 enable_prefix_caching=enable_prefix_caching, wide_target=wide_target,
+                                confidence_threshold=confidence_threshold,
                                 max_queue=max_queue, max_model_len=max_model_len, api_key=api_key,
                                 max_request_bytes=max_request_bytes)
         except (ImportError, ValueError, FileNotFoundError, RuntimeError) as exc:
@@ -112,7 +115,7 @@ def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_s
         block_size = parse_block_size(block_size)
         from ..server.app import run_server  # fastapi/uvicorn missing: a clear error before the slow load
         pipe = load_pipeline(model_dir, device, no_draft, cache_dir, target_runner, prompt_lookup, precision,
-                             config, block_size, enable_prefix_caching, wide_target)
+                             config, block_size, enable_prefix_caching, wide_target, confidence_threshold)
         names = list(served_model_name) or [Path(pipe.model_dir).name]
         app = build_server_app(pipe, names, block_size, False if no_draft else None, max_num_seqs, max_queue,
                                max_model_len, api_key, max_request_bytes, kv_cache_memory_bytes,

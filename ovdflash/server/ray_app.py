@@ -70,9 +70,11 @@ class ServeOptions:
     target_runner: str | None = None
     precision: str | None = None
     max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     kv_cache_memory_bytes: str | int | None = None
     enable_prefix_caching: bool = True
     wide_target: bool | None = None
+    confidence_threshold: float | None = None
     max_queue: int = 128
     max_model_len: int | None = None
     api_key: str | None = None
@@ -195,13 +197,14 @@ class OpenAIReplica:
         s, o = self.settings, self.settings.options
         pipe = load_pipeline(s.model_dir, o.device, o.no_draft, o.cache_dir, o.target_runner, o.prompt_lookup,
                              o.precision, with_thread_count(o.config, s.num_cpus), o.block_size,
-                             o.enable_prefix_caching, o.wide_target)
+                             o.enable_prefix_caching, o.wide_target, o.confidence_threshold)
         self.threads = int(pipe.target.compiled.get_property(THREADS_PROPERTY))
         names = list(o.served_model_names) or [Path(pipe.model_dir).name]
         app = build_server_app(pipe, names, block_size=o.block_size, draft=False if o.no_draft else None,
                                max_num_seqs=o.max_num_seqs, max_queue=o.max_queue, max_model_len=o.max_model_len,
                                api_key=o.api_key, max_request_bytes=o.max_request_bytes,
-                               kv_cache_memory_bytes=o.kv_cache_memory_bytes)
+                               kv_cache_memory_bytes=o.kv_cache_memory_bytes,
+                               max_num_batched_tokens=o.max_num_batched_tokens)
         self.engine = app.state.engine
         _replace_get_route(app, "/health", self.health)
         _replace_get_route(app, "/metrics", self.metrics)
@@ -306,6 +309,7 @@ def import_serve():
 def replica_settings(model_dir: str | Path | None = None, replicas: int = 2, num_cpus_per_replica: float | None = None,
                      report_interval_s: float = 1.0, silent_after_s: float = 5.0, **options) -> _ReplicaSettings:
     """What every replica gets, checked here (without Ray) so that bad options fail before any replica starts."""
+    from ..decode.block_policy import ConfidenceCut
     from ..manifest import load_manifest
     from ..options import parse_config_options
     from .wiring import parse_bytes
@@ -335,6 +339,11 @@ def replica_settings(model_dir: str | Path | None = None, replicas: int = 2, num
         raise ValueError(f"--max-queue must be >= 0, got {serve_options.max_queue}")
     if serve_options.kv_cache_memory_bytes is not None:
         parse_bytes(serve_options.kv_cache_memory_bytes)
+    tokens = serve_options.max_num_batched_tokens
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+        raise ValueError(f"--max-num-batched-tokens must be an integer >= 1, got {tokens!r}")
+    if serve_options.confidence_threshold is not None:
+        ConfidenceCut(serve_options.confidence_threshold)
     if model_dir is not None:
         model_dir = Path(model_dir).resolve()
         load_manifest(model_dir)

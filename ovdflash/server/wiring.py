@@ -34,15 +34,20 @@ def is_loopback(host: str) -> bool:
 
 
 def load_pipeline(model_dir, device, no_draft, cache_dir, target_runner, prompt_lookup, precision, config,
-                  block_size, prefix_caching=True, wide_target=None):
+                  block_size, prefix_caching=True, wide_target=None, confidence_threshold=None):
     """The pipeline `serve` runs, loaded and warmed up as `ovdflash chat` does."""
+    from ..decode.block_policy import ConfidenceCut
     from ..pipeline import DFlashPipeline
 
+    if confidence_threshold is not None:
+        ConfidenceCut(confidence_threshold)  # a bad value fails before the slow load
     with sigint_to_main_thread_only():
         pipe = DFlashPipeline.from_pretrained(model_dir, device=device, draft=not no_draft, cache_dir=cache_dir,
                                               target_runner=target_runner, prompt_lookup=prompt_lookup,
                                               precision=precision, prefix_cache=prefix_caching,
                                               wide_target=wide_target, **parse_config_options(config))
+        if confidence_threshold is not None:
+            pipe.confidence_threshold = float(confidence_threshold)
         pipe.warm_up(block_size=block_size)
     return pipe
 
