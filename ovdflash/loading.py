@@ -106,12 +106,14 @@ def from_pretrained(cls, model_dir: str | Path | None = None, device: str = "CPU
     if wide_xml is not None:  # which call sizes the f32-weight copy runs: measured once per host
         host = calibration_host(target, device, config)
         found, wide_from = wide_weights.cached_wide_from(wide_xml, host)
+        # the IR pages go as each shape's repacking read them
+        release = (lambda: release_mapped_files(weight_files(model_dir, target))) if release_weight_pages else None
         if found:
             target.use_wide_from(wide_from)
             target.narrow_compiler = None
-        else:  # the IR pages go as each shape's repacking read them
-            target.calibrate_wide(release_pages=(lambda: release_mapped_files(weight_files(model_dir, target)))
-                                  if release_weight_pages else None)
+            target.warm_calls(release_pages=release)
+        else:
+            target.calibrate_wide(release_pages=release)
             target.recompile_narrow()
             wide_weights.store_wide_from(wide_xml, host, target.wide_from if target.wide_request is not None else None)
     tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None

@@ -4,6 +4,8 @@ calls of `wide_from` tokens or more run on the copy, which shares the KV cache t
 narrow request (a sequence can move between them every call); greedy DFlash whose verifies run on
 the copy equals greedy AR on the narrow one, alone and in a batch; calibration keeps the copy for
 the sizes where it is faster or drops it; fp32 weights, bf16 inference or wide_target=False: no copy."""
+import os
+
 import numpy as np
 import openvino as ov
 import pytest
@@ -237,13 +239,15 @@ def test_the_calibration_is_kept_per_host_and_read_back_by_later_loads(fp16_pair
     assert "1 threads" in host and "INFERENCE_PRECISION_HINT=f32" in host
     assert stored == (first.target.wide_from if first.target.wide_request is not None else None)
 
-    calibrations = []
-    real = OVPagedTarget.calibrate_wide
+    calibrations, warmed = [], []
+    real, real_warm = OVPagedTarget.calibrate_wide, OVPagedTarget.warm_calls
     monkeypatch.setattr(OVPagedTarget, "calibrate_wide",
                         lambda self, *a, **k: calibrations.append(1) or real(self, *a, **k))
+    monkeypatch.setattr(OVPagedTarget, "warm_calls", lambda self, *a, **k: warmed.append(1) or real_warm(self, *a, **k))
     files[0].write_text(json.dumps({host: 12}))
     again = load()
     assert not calibrations and again.target.wide_request is not None and again.target.wide_from == 12
+    assert warmed == [1] and again.target.committed == 0  # every calibration size ran once, then reset
     assert again.target.narrow_compiler is None
     prompt = np.random.default_rng(5).integers(1, 500, 12).tolist()
     ar = [e.token for e in again.generate_tokens(prompt, 16, draft=False, eos_token_ids=[])]
@@ -255,3 +259,22 @@ def test_the_calibration_is_kept_per_host_and_read_back_by_later_loads(fp16_pair
         load()
     assert len(calibrations) == 4
     assert wide_target.cached_wide_from(files[0].parent / "openvino_model.xml", host)[0]  # stored again
+
+
+def test_a_changed_target_file_replaces_its_old_copy_and_leaves_other_targets_copies(fp16_pair, tmp_path):
+    import shutil
+
+    from ovdflash.ov import wide_target
+
+    pair_a, pair_b = tmp_path / "a", tmp_path / "b"
+    for pair in (pair_a, pair_b):
+        shutil.copytree(fp16_pair / "target", pair / "target")
+    cache = tmp_path / "cache"
+    old_a = wide_target.f32_weights_ir(pair_a / "target" / "openvino_model.xml", cache)
+    copy_b = wide_target.f32_weights_ir(pair_b / "target" / "openvino_model.xml", cache)
+    bin_a = pair_a / "target" / "openvino_model.bin"
+    os.utime(bin_a, ns=(bin_a.stat().st_atime_ns, bin_a.stat().st_mtime_ns + 10**9))  # a re-export
+    new_a = wide_target.f32_weights_ir(pair_a / "target" / "openvino_model.xml", cache)
+    assert new_a != old_a and new_a.is_file() and not old_a.parent.exists()
+    assert copy_b.is_file()
+    assert sorted(p.name for p in (cache / "wide").iterdir()) == sorted([new_a.parent.name, copy_b.parent.name])

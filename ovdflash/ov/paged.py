@@ -21,7 +21,9 @@ Contract:
   in order: `past_lens` = committed tokens, so a rollback is `commit(k)` alone and the next forward
   overwrites the rejected slots. `calibrate_wide()` times the f32-weight copy on this host; then
   `recompile_narrow()` (with `narrow_compiler` set) renews the narrow target, whose wide-size
-  calls in the calibration left kernels and repacked weights resident that it never uses again.
+  calls in the calibration left kernels and repacked weights resident that it never uses again;
+  `use_wide_from(n)` applies a stored result instead, and `warm_calls()` runs each calibration
+  size once on the request that serves it.
 May import: numpy, openvino, `.inference` and `.linear_states`; `runners` and `paged_batch` build on this module.
 """
 from __future__ import annotations
@@ -270,6 +272,19 @@ class OVPagedTarget(LogitRows, PagedKV):
         start = next((i for i in range(len(sizes)) if all(faster[i:])), None)
         self.use_wide_from(None if start is None else sizes[start])
         return None if start is None else self.wide_from
+
+    def warm_calls(self, release_pages=None, context_tokens: int = 64) -> None:
+        """Run each calibration size once on the request that serves it, as a calibration would have
+        (the plugin builds a shape's kernels at its first call); `release_pages` as in calibrate_wide."""
+        self.reset()
+        self.run(np.ones(context_tokens, dtype=np.int64), np.array([context_tokens - 1]))
+        self.commit(context_tokens)
+        for size in self.calibration_sizes():
+            self.run(np.ones(size, dtype=np.int64), np.arange(size))
+            self.commit(1)
+            if release_pages is not None:
+                release_pages()
+        self.reset()
 
     def calibration_sizes(self, sizes=CALIBRATION_SIZES) -> tuple[int, ...]:
         """The call sizes `calibrate_wide` times (a hybrid's are capped by its per-token states)."""

@@ -12,6 +12,8 @@ Contract:
   (keyed by the files' size and mtime) under cache_dir/wide, by a child process, so the converting
   process's memory never joins the caller's; the caller maps it like any IR, and its pages can be
   released after the first calls (ovdflash.ov.memory). cache_dir None: a directory removed at exit.
+  Writing a copy removes the copies of earlier versions of the same target file (a re-export), so
+  the cache holds one copy per target path.
 - `cached_wide_from(wide_xml, host)` -> (found, wide_from) and `store_wide_from(wide_xml, host, wide_from)`:
   the calibration's result (an int, or None for "the copy never pays") per host key, in
   `calibration.json` beside the copy's IR, so a later load on the same host, threads and openvino skips
@@ -34,6 +36,7 @@ from pathlib import Path
 from .memory import available_memory_bytes
 
 AUTO_MEMORY_SHARE = 0.25
+SOURCE_FILE = "source.txt"  # beside a copy: the target file it was written from
 
 
 def wanted(target_bin: Path, choice: bool | None = None) -> bool:
@@ -59,12 +62,14 @@ def f32_weights_ir(target_xml: Path, cache_dir: str | Path | None = None) -> Pat
         return out
     root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".writing-", dir=root))
+    source = str(target_xml.resolve())
     try:
         done = subprocess.run([sys.executable, "-m", "ovdflash.ov.wide_target", str(target_xml), str(work / out.name)],
                               capture_output=True, text=True)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise RuntimeError(f"{target_xml}: writing its f32-weight copy failed ({last[:200]})")
+        (work / SOURCE_FILE).write_text(source)
         try:
             os.replace(work, out.parent)
         except OSError:  # another process wrote it first: use that one
@@ -72,7 +77,17 @@ def f32_weights_ir(target_xml: Path, cache_dir: str | Path | None = None) -> Pat
                 raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    for other in root.iterdir():  # copies of earlier versions of the same file are stale
+        if other != out.parent and _source_of(other) == source:
+            shutil.rmtree(other, ignore_errors=True)
     return out
+
+
+def _source_of(copy_dir: Path) -> str | None:
+    try:
+        return (copy_dir / SOURCE_FILE).read_text()
+    except OSError:
+        return None
 
 
 def _calibration_file(wide_xml: Path) -> Path:
