@@ -69,10 +69,18 @@ def calibration_host(target, device: str, config: dict) -> str:
     """What a calibration of the f32-weight copy depends on besides the target file (ov.wide_target)."""
     import openvino as ov
 
+    def read(get, name):
+        try:
+            value = get(name)
+        except RuntimeError:  # a device without the property
+            return "?"
+        return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
     core = ov.Core()
-    name = f"{cpu_model_name() or core.get_property(device, 'FULL_DEVICE_NAME')} " \
-           f"({' '.join(core.get_property(device, 'OPTIMIZATION_CAPABILITIES'))})"
-    threads = target.compiled.get_property("INFERENCE_NUM_THREADS")
+    device_name = read(lambda p: core.get_property(device, p), "FULL_DEVICE_NAME")
+    capabilities = read(lambda p: core.get_property(device, p), "OPTIMIZATION_CAPABILITIES")
+    name = f"{cpu_model_name() or device_name} ({capabilities})"
+    threads = read(target.compiled.get_property, "INFERENCE_NUM_THREADS")
     settings = ",".join(f"{k}={v}" for k, v in sorted(config.items()) if k != "CACHE_DIR")
     sizes = ",".join(map(str, target.calibration_sizes()))
     return f"{name}; {device}; {threads} threads; openvino {ov.get_version()}; sizes {sizes}; {settings}"
