@@ -1,7 +1,8 @@
 """Text-level continuous batching: requests in, text out, one batched round per `step()`.
 
 Contract:
-- `BatchGeneration(pipeline, max_batch_size=8, pool_blocks=None, max_num_batched_tokens=None)` runs
+- `BatchGeneration(pipeline, max_batch_size=8, pool_blocks=None, max_num_batched_tokens=None,
+  prefill_batch_tokens=None)` runs
   `scheduler.Scheduler` on the pipeline's batched paged runner (`DFlashPipeline.batch_target`) and
   drafter pool; `max_num_batched_tokens` is the scheduler's per-round token budget (chunked prefill;
   None: whole prompts; output unchanged either way). It is the one
@@ -81,10 +82,11 @@ class _Request:
 
 class BatchGeneration:
     def __init__(self, pipeline, max_batch_size: int = 8, pool_blocks: int | None = None,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, prefill_batch_tokens: int | None = None):
         self.pipeline = pipeline
         self.scheduler = Scheduler(pipeline.batch_target(pool_blocks), pipeline.drafter_pool(), max_batch_size,
-                                   max_num_batched_tokens=max_num_batched_tokens)
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   prefill_batch_tokens=prefill_batch_tokens)
         self.requests: dict[Hashable, _Request] = {}
 
     @property

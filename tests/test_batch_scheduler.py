@@ -332,3 +332,62 @@ def test_a_bad_token_budget_is_a_one_line_error(bad):
     with pytest.raises(ValueError, match="max_num_batched_tokens must be an integer >= 1") as info:
         Scheduler(MockBatchTarget(), max_num_batched_tokens=bad)
     assert "\n" not in str(info.value)
+
+
+# -- whole prompts, grouped up to prefill_batch_tokens a round ---------------------------------------
+def test_a_burst_prefills_whole_prompts_a_few_at_a_time_and_every_sequence_equals_its_run_alone():
+    """Four 30-token prompts at once with prefill_batch_tokens=40: one prompt a round (in arrival
+    order), so the first reply starts after one prefill, not four; the running ones verify in the
+    same calls. Small prompts share a round while they fit; output is unchanged."""
+    target = MockBatchTarget()
+    scheduler = Scheduler(target, MockDrafterSource(target), max_batch_size=8, prefill_batch_tokens=40)
+    rng = np.random.default_rng(21)
+    burst = [(f"b{i}", rng.integers(0, VOCAB, size=30).tolist(), 12, SamplingParams(), 4, False, ())
+             for i in range(4)]
+    for r in burst:
+        scheduler.add(*r)
+    first_round, events = {}, {}
+    for step in range(4):
+        for rid, evs in scheduler.step():
+            first_round.setdefault(rid, step)
+            events.setdefault(rid, []).extend(evs)
+    assert first_round == {"b0": 0, "b1": 1, "b2": 2, "b3": 3}
+    assert target.batch_sizes[:4] == [1, 2, 3, 4]  # each round: one prefill beside the verifies
+    small = [(f"s{i}", rng.integers(0, VOCAB, size=8).tolist(), 6, SamplingParams(), 4, False, ()) for i in range(5)]
+    calls_before = target.num_forward_calls
+    for rid, evs in drain(scheduler, {0: small}).items():
+        events.setdefault(rid, []).extend(evs)
+    for rid, prompt, max_new, params, block, lookup, eos in burst + small:
+        assert events[rid] == alone(prompt, max_new, block, params, eos, lookup), rid
+    assert target.batch_sizes[calls_before] == 8  # 4 verifies and 4 of the 8-token prompts (32 <= 40) in one call
+
+
+def test_a_prompt_longer_than_prefill_batch_tokens_still_prefills_whole():
+    target = MockBatchTarget()
+    scheduler = Scheduler(target, MockDrafterSource(target), max_batch_size=2, prefill_batch_tokens=4)
+    prompt = (np.arange(50) % VOCAB).tolist()
+    scheduler.add("long", prompt, 5, SamplingParams(), 4, False, ())
+    events = dict(scheduler.step())
+    assert len(events["long"]) >= 1 and target.batch_sizes == [1]  # one round, the whole prompt
+    events["long"] += drain(scheduler)["long"]
+    assert events["long"] == alone(prompt, 5, 4)
+    with pytest.raises(ValueError, match="prefill_batch_tokens must be an integer >= 1"):
+        Scheduler(MockBatchTarget(), prefill_batch_tokens=0)
+
+
+def test_prefill_groups_take_shortest_first_among_prompts_admitted_together_and_never_overtake_earlier_ones():
+    target = MockBatchTarget()
+    scheduler = Scheduler(target, MockDrafterSource(target), max_batch_size=8, prefill_batch_tokens=40)
+    rng = np.random.default_rng(4)
+    reqs = {n: (f"p{n}", rng.integers(0, VOCAB, size=n).tolist(), 8, SamplingParams(), 4, False, ())
+            for n in (30, 10, 20)}
+    for r in reqs.values():
+        scheduler.add(*r)
+    assert sorted(rid for rid, _ in scheduler.step()) == ["p10", "p20"]  # 10 + 20 fit 40, the 30 waits
+    late = ("late", rng.integers(0, VOCAB, size=15).tolist(), 8, SamplingParams(), 4, False, ())
+    scheduler.add(*late)
+    firsts = [rid for rid, evs in scheduler.step() if rid in ("p30", "late")]
+    assert firsts == ["p30"]  # admitted a round earlier: the shorter latecomer (30 + 15 > 40) waits for it
+    got = [evs for rid, evs in scheduler.step() if rid == "late"]
+    assert len(got) == 1
+    assert got[0] + drain(scheduler).get("late", []) == alone(late[1], 8, 4)

@@ -230,12 +230,18 @@ def test_killed_replica_is_replaced_while_the_other_answers(ray_server, client):
     assert ok == want_ok and state["status"] == "ok", state
 
 
-def test_replica_settings_carry_the_batch_budget_and_the_confidence_threshold(tiny_pair):
+def test_replica_settings_carry_the_batch_budgets_and_the_confidence_threshold(tiny_pair):
     from ovdflash.server.ray_app import replica_settings
+
+    from ovdflash.decode.scheduler import DEFAULT_PREFILL_BATCH_TOKENS
 
     settings = replica_settings(tiny_pair, 2, 1.0, max_num_batched_tokens=256, confidence_threshold=0.5)
     assert settings.options.max_num_batched_tokens == 256 and settings.options.confidence_threshold == 0.5
+    assert settings.options.prefill_batch_tokens == DEFAULT_PREFILL_BATCH_TOKENS
+    assert replica_settings(tiny_pair, 2, 1.0, prefill_batch_tokens=None).options.prefill_batch_tokens is None
     with pytest.raises(ValueError, match="--max-num-batched-tokens"):
         replica_settings(tiny_pair, 2, 1.0, max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="--prefill-batch-tokens"):
+        replica_settings(tiny_pair, 2, 1.0, prefill_batch_tokens=0)
     with pytest.raises(ValueError, match="confidence_threshold"):
         replica_settings(tiny_pair, 2, 1.0, confidence_threshold=1.5)

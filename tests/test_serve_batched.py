@@ -18,6 +18,7 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 from test_serve import scrape, serving_app  # noqa: E402
 
+from ovdflash.decode.scheduler import DEFAULT_PREFILL_BATCH_TOKENS  # noqa: E402
 from ovdflash.ov.paged_batch import paged_compiled, pool_bytes_per_block  # noqa: E402
 
 PROMPTS = ["Tell me a story about a cat.", "What is 2 + 2?", "Write a haiku about rain.", "List three colours.",
@@ -64,12 +65,14 @@ def ask(url, i, kind):
     return prompt, max_tokens, kwargs, text
 
 
-@pytest.mark.parametrize("block_size", [4, None])  # None: load-aware "auto" drafts
-def test_concurrent_requests_share_rounds_and_get_the_texts_alone(pipe, block_size):
-    with serving(pipe, block_size=block_size) as (url, engine):
+@pytest.mark.parametrize("block_size,prefill_batch_tokens", [(4, DEFAULT_PREFILL_BATCH_TOKENS), (None, None),
+                                                              (None, 1)])  # None: load-aware "auto" drafts
+def test_concurrent_requests_share_rounds_and_get_the_texts_alone(pipe, block_size, prefill_batch_tokens):
+    with serving(pipe, block_size=block_size, prefill_batch_tokens=prefill_batch_tokens) as (url, engine):
         with ThreadPoolExecutor(6) as pool:
             answers = list(pool.map(lambda i: ask(url, i, "chat" if i % 4 else "completion"), range(12)))
         scheduler = engine.scheduler.batch.scheduler
+        assert scheduler.prefill_batch_tokens == prefill_batch_tokens
         assert scheduler.num_batched_sequences > scheduler.num_steps  # some calls carried several sequences
         metrics = scrape(url)
         target = pipe.batch_target()

@@ -12,7 +12,8 @@ KV block pool limit, cached prefix features included; default: one full-context 
 the batch, at most a quarter of the memory available; the start-up lines say how many tokens the
 pool holds and in which precision), `--enable-prefix-caching/--no-enable-prefix-caching`,
 `--max-queue`, `--max-model-len`, `--max-request-bytes`, `--max-num-batched-tokens` (each
-batched round's token budget: chunked prefill, scheduler contract; default: whole prompts). With batching, `--block-size` defaults to
+batched round's token budget: chunked prefill, scheduler contract; default: whole prompts),
+`--prefill-batch-tokens` (whole prompts a round prefills together; 0: all). With batching, `--block-size` defaults to
 "auto". `--replicas N` serves the same app on N Ray Serve replicas (ovdflash.server.ray_app; the
 `ray` extra). The wiring is `ovdflash.server.wiring`; bad options are one-line errors before the
 model loads where they can be. A start-up line names the tool-call format the chat template teaches
@@ -29,6 +30,7 @@ from .. import TARGET_RUNNERS
 from ..options import parse_block_size
 from ..ov.precision import PRECISIONS
 from ..server.tool_calls import describe_tool_format
+from ..decode.scheduler import DEFAULT_PREFILL_BATCH_TOKENS
 from ..server.wiring import build_server_app, is_loopback, load_pipeline, parse_bytes
 from .options import CONFIDENCE_THRESHOLD_OPTION, WIDE_TARGET_OPTION, compile_options
 
@@ -54,6 +56,10 @@ from .options import CONFIDENCE_THRESHOLD_OPTION, WIDE_TARGET_OPTION, compile_op
 @click.option("--max-num-batched-tokens", type=click.IntRange(1), default=None,
               help="Tokens per batched round (chunked prefill): verifies first, prompts in chunks with the rest, "
                    "so a long prompt holds up neither new requests nor running ones. Default: whole prompts.")
+@click.option("--prefill-batch-tokens", type=click.IntRange(0), default=DEFAULT_PREFILL_BATCH_TOKENS,
+              show_default=True,
+              help="Whole prompts a batched round prefills together, in tokens (the first always goes): a burst of "
+                   "requests gets first tokens one round apart instead of all after every prefill. 0: all at once.")
 @click.option("--kv-cache-memory-bytes", default=None, metavar="SIZE",
               help="KV block pool limit for batching, e.g. 4G (default: one full context shared by the batch, "
                    "at most a quarter of the available memory).")
@@ -85,7 +91,7 @@ from .options import CONFIDENCE_THRESHOLD_OPTION, WIDE_TARGET_OPTION, compile_op
               help="With --replicas: an existing Ray cluster ('auto' or HEAD:6379); "
                    "default: a local instance on loopback.")
 def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_size, no_draft, prompt_lookup,
-          max_num_seqs, max_num_batched_tokens, kv_cache_memory_bytes, enable_prefix_caching, max_queue, max_model_len, max_request_bytes,
+          max_num_seqs, max_num_batched_tokens, prefill_batch_tokens, kv_cache_memory_bytes, enable_prefix_caching, max_queue, max_model_len, max_request_bytes,
           shutdown_timeout, device, cache_dir, config, target_runner, precision, wide_target, confidence_threshold,
           log_level, replicas, num_cpus_per_replica, ray_address):
     """Serve MODEL_DIR (default: SmolLM2-135M + shipped drafter) as an OpenAI-compatible API."""
@@ -102,6 +108,7 @@ def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_s
                                 no_draft=no_draft, prompt_lookup=prompt_lookup, device=device, cache_dir=cache_dir,
                                 config=config, target_runner=target_runner, precision=precision,
                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                prefill_batch_tokens=prefill_batch_tokens or None,
                                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                                 enable_prefix_caching=enable_prefix_caching, wide_target=wide_target,
                                 confidence_threshold=confidence_threshold,
@@ -119,7 +126,7 @@ def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_s
         names = list(served_model_name) or [Path(pipe.model_dir).name]
         app = build_server_app(pipe, names, block_size, False if no_draft else None, max_num_seqs, max_queue,
                                max_model_len, api_key, max_request_bytes, kv_cache_memory_bytes,
-                               max_num_batched_tokens)
+                               max_num_batched_tokens, prefill_batch_tokens or None)
     except ImportError as exc:
         raise click.ClickException(f"the server needs its extra: pip install 'ovdflash[serve]' ({exc})") from exc
     except (ValueError, FileNotFoundError, RuntimeError) as exc:

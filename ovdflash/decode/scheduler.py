@@ -11,7 +11,8 @@ Contract:
   features, and records the kept ids and features at every commit; one without ignores them.
   Such a sequence prefills only the rest of its prompt (`stats.num_cached_prompt_tokens`), and its
   drafter's context is the cached features followed by the prefill's, as a full prefill gives.
-- `Scheduler(target, drafters=None, max_batch_size=8, draft_policy=None, max_num_batched_tokens=None)`:
+- `Scheduler(target, drafters=None, max_batch_size=8, draft_policy=None, max_num_batched_tokens=None,
+  prefill_batch_tokens=None)`:
   `drafters` hands out one
   `round.DrafterRunner` per sequence (`take()`, `give(d)`; paged_batch.DrafterPool) or is None
   (AR only). `add(request_id, prompt_ids, max_new_tokens, params, block_size, prompt_lookup, eos,
@@ -35,6 +36,12 @@ Contract:
   the batch's cost curve and each sequence's acceptance; a sequence it holds at AR still verifies
   its n-gram lookup drafts where the call has free room (`free_tokens`). Either way a `draft_cut`
   may then verify fewer of the drafter's drafts, and output is unchanged.
+- Whole prompts (`max_num_batched_tokens` None): `prefill_batch_tokens` (None: every waiting prompt
+  in one round) groups the prompts a round prefills, beside the verifies: earlier admitted first,
+  shortest first among those admitted together, while their sum stays within it (the first always
+  goes, however long). A burst of k long prompts then gives its first token after one prefill
+  instead of k, the others a round apart; no prompt waits behind later ones. The server uses
+  `DEFAULT_PREFILL_BATCH_TOKENS` (docs/BENCHMARKS.md, First token under a burst).
 - Chunked prefill: `max_num_batched_tokens` (None: a prompt prefills whole in its first round) is
   each round's token budget. The verifying sequences are scheduled first and never cut; the
   prefilling ones share the rest (at least `min(budget, MIN_PREFILL_CHUNK)`, so a prefill moves
@@ -65,6 +72,8 @@ from .structured import GrammarState
 
 # the smallest prefill share of a round whose verifies fill the budget (tokens)
 MIN_PREFILL_CHUNK = 16
+# the server's prefill_batch_tokens: the best value measured (docs/BENCHMARKS.md, First token under a burst)
+DEFAULT_PREFILL_BATCH_TOKENS = 48
 
 
 class BatchTarget(Protocol):
@@ -99,6 +108,7 @@ class _Sequence:
     prefilled: bool = False
     num_cached: int = 0  # prompt tokens whose KV the pool's prefix cache gave
     num_prefilled: int = 0  # prompt tokens with committed KV (cached ones included)
+    admitted_at: int = 0  # the round it joined the running sequences
     prefill_feats: list = field(default_factory=list)  # target features of the committed prompt, chunk by chunk
     drafts: np.ndarray = field(default_factory=lambda: NO_DRAFTS)  # this round's
     from_lookup: bool = False
@@ -106,10 +116,12 @@ class _Sequence:
 
 class Scheduler:
     def __init__(self, target: BatchTarget, drafters: DrafterSource | None = None, max_batch_size: int = 8,
-                 draft_policy=None, max_num_batched_tokens: int | None = None):
+                 draft_policy=None, max_num_batched_tokens: int | None = None,
+                 prefill_batch_tokens: int | None = None):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         self.max_num_batched_tokens = check_token_budget(max_num_batched_tokens)
+        self.prefill_batch_tokens = check_token_budget(prefill_batch_tokens, "prefill_batch_tokens")
         self.target = target
         self.drafters = drafters
         self.max_batch_size = max_batch_size
@@ -170,6 +182,7 @@ class Scheduler:
                 return  # FIFO: the head waits for blocks, nobody overtakes it
             self.waiting.popleft()
             seq.num_cached = seq.num_prefilled = self.target.committed(seq.request_id)
+            seq.admitted_at = self.num_steps
             state = seq.state
             if state.block_size > 1:
                 state.drafter = self.drafters.take()
@@ -242,8 +255,15 @@ class Scheduler:
         """request id -> prompt tokens each prefilling sequence sends this round (module doc: the budget)."""
         prefilling = [seq for seq in seqs if not seq.prefilled]
         budget = self.max_num_batched_tokens
-        if budget is None:
-            return {seq.request_id: len(seq.prompt) - seq.num_prefilled for seq in prefilling}
+        if budget is None:  # whole prompts while they fit prefill_batch_tokens (module doc)
+            chunks, total = {}, 0
+            for seq in sorted(prefilling, key=lambda s: (s.admitted_at, len(s.prompt) - s.num_prefilled)):
+                num = len(seq.prompt) - seq.num_prefilled
+                if chunks and self.prefill_batch_tokens is not None and total + num > self.prefill_batch_tokens:
+                    break
+                chunks[seq.request_id] = num
+                total += num
+            return chunks
         share = max(budget - num_verify_tokens, min(budget, MIN_PREFILL_CHUNK))
         chunks = {}
         for seq in sorted(prefilling, key=lambda s: len(s.prompt) - s.num_prefilled):  # stable: arrival order
@@ -305,10 +325,8 @@ class Scheduler:
         return accepted
 
 
-def check_token_budget(max_num_batched_tokens) -> int | None:
-    """A round's token budget: None (prefills whole) or an integer >= 1; else a one-line ValueError."""
-    value = max_num_batched_tokens
+def check_token_budget(value, name: str = "max_num_batched_tokens") -> int | None:
+    """A round's token count: None (no limit) or an integer >= 1; else a one-line ValueError."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
-        raise ValueError(f"max_num_batched_tokens must be an integer >= 1 (or None: prefill whole prompts), "
-                         f"got {value!r}")
+        raise ValueError(f"{name} must be an integer >= 1 (or None: no limit), got {value!r}")
     return None if value is None else int(value)

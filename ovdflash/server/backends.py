@@ -6,10 +6,12 @@ Contract:
   request within a round. The pipeline has one target KV cache, so a second sequence cannot start
   before the first ends: a request waits for the ones before it (docs/SERVING.md). The text equals
   `DFlashPipeline.generate` for the same prompt and settings, because it is the same code.
-- `BatchedBackend(pipeline, block_size, draft, max_num_seqs, pool_blocks, max_num_batched_tokens)` runs up to
+- `BatchedBackend(pipeline, block_size, draft, max_num_seqs, pool_blocks, max_num_batched_tokens,
+  prefill_batch_tokens=DEFAULT_PREFILL_BATCH_TOKENS)` runs up to
   max_num_seqs requests at once, joining and leaving between rounds, every round ONE target call
   for all of them (ovdflash.batch_generation over the batch scheduler and the paged runner's block
-  pool). block_size None or "auto": the load-aware policy chooses each round's drafts for the
+  pool). Whole prompts that arrive together prefill a few at a time (the scheduler's
+  `prefill_batch_tokens`), so the first of a burst answers after one prefill, not all of them. block_size None or "auto": the load-aware policy chooses each round's drafts for the
   whole batch; an integer fixes them. A request whose KV cache cannot be booked yet waits, FIFO.
   Each request's text equals `DFlashPipeline.generate` alone (greedy; sampled with a seed, the
   same draws). A request the batch refuses at `add` ends alone with "error" at the next step.
@@ -23,6 +25,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..decode.scheduler import DEFAULT_PREFILL_BATCH_TOKENS
 from ..decode.stats import GenerationStats
 from ..text import GenerationResult
 from .engine import RequestOutput, RequestParams
@@ -131,13 +134,14 @@ class BatchedBackend:
     """Continuous batching behind the server (see the module contract)."""
 
     def __init__(self, pipeline, block_size: int | str | None = None, draft: bool | None = None,
-                 max_num_seqs: int = 8, pool_blocks: int | None = None, max_num_batched_tokens: int | None = None):
+                 max_num_seqs: int = 8, pool_blocks: int | None = None, max_num_batched_tokens: int | None = None,
+                 prefill_batch_tokens: int | None = DEFAULT_PREFILL_BATCH_TOKENS):
         from ..batch_generation import BatchGeneration
 
         self.pipeline = pipeline
         self.block_size = "auto" if block_size is None and pipeline.drafter is not None else block_size
         self.draft = draft
-        self.batch = BatchGeneration(pipeline, max_num_seqs, pool_blocks, max_num_batched_tokens)
+        self.batch = BatchGeneration(pipeline, max_num_seqs, pool_blocks, max_num_batched_tokens, prefill_batch_tokens)
         if self.block_size == "auto" and draft is not False:  # measure the cost curve now, not at a request
             pipeline.batch_draft_policy(max_num_seqs)
         self.failed: list[RequestOutput] = []  # requests refused at add, answered at the next step

@@ -45,6 +45,8 @@ import threading
 import time
 from pathlib import Path
 
+from ..decode.scheduler import DEFAULT_PREFILL_BATCH_TOKENS
+
 logger = logging.getLogger("ovdflash.server.ray")
 
 REPLICA_HEADER = "x-ovdflash-replica"
@@ -71,6 +73,7 @@ class ServeOptions:
     precision: str | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    prefill_batch_tokens: int | None = DEFAULT_PREFILL_BATCH_TOKENS
     kv_cache_memory_bytes: str | int | None = None
     enable_prefix_caching: bool = True
     wide_target: bool | None = None
@@ -204,7 +207,8 @@ class OpenAIReplica:
                                max_num_seqs=o.max_num_seqs, max_queue=o.max_queue, max_model_len=o.max_model_len,
                                api_key=o.api_key, max_request_bytes=o.max_request_bytes,
                                kv_cache_memory_bytes=o.kv_cache_memory_bytes,
-                               max_num_batched_tokens=o.max_num_batched_tokens)
+                               max_num_batched_tokens=o.max_num_batched_tokens,
+                               prefill_batch_tokens=o.prefill_batch_tokens)
         self.engine = app.state.engine
         _replace_get_route(app, "/health", self.health)
         _replace_get_route(app, "/metrics", self.metrics)
@@ -339,9 +343,10 @@ def replica_settings(model_dir: str | Path | None = None, replicas: int = 2, num
         raise ValueError(f"--max-queue must be >= 0, got {serve_options.max_queue}")
     if serve_options.kv_cache_memory_bytes is not None:
         parse_bytes(serve_options.kv_cache_memory_bytes)
-    tokens = serve_options.max_num_batched_tokens
-    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
-        raise ValueError(f"--max-num-batched-tokens must be an integer >= 1, got {tokens!r}")
+    for flag, tokens in (("--max-num-batched-tokens", serve_options.max_num_batched_tokens),
+                         ("--prefill-batch-tokens", serve_options.prefill_batch_tokens)):
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+            raise ValueError(f"{flag} must be an integer >= 1, got {tokens!r}")
     if serve_options.confidence_threshold is not None:
         ConfidenceCut(serve_options.confidence_threshold)
     if model_dir is not None:

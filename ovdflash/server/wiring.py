@@ -4,8 +4,10 @@ Contract:
 - `load_pipeline(model_dir, ..., config, block_size, ...)` loads and warms up the pipeline as
   `ovdflash chat` does (`config`: KEY=VALUE items, as `-c` gives them).
 - `build_server_app(pipe, served_model_names, block_size, draft, max_num_seqs, max_queue,
-  max_model_len, api_key, max_request_bytes, kv_cache_memory_bytes, max_num_batched_tokens)` wires
-  backend, engine, metrics and endpoints (max_num_batched_tokens: the batch's per-round token budget).
+  max_model_len, api_key, max_request_bytes, kv_cache_memory_bytes, max_num_batched_tokens,
+  prefill_batch_tokens)` wires backend, engine, metrics and endpoints (max_num_batched_tokens: the
+  batch's per-round token budget; prefill_batch_tokens: how many whole prompts' tokens a round
+  prefills together, None: all waiting; decode.scheduler.DEFAULT_PREFILL_BATCH_TOKENS by default).
   max_num_seqs None: batch where the runner can (`DEFAULT_MAX_NUM_SEQS` on the paged runner, else 1);
   1: one request at a time. The batch's KV pool is `kv_cache_memory_bytes`
   (`parse_bytes`: "4G", "512M", bytes) or `ov.paged_batch.default_pool_blocks` (one full context
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 
+from ..decode.scheduler import DEFAULT_PREFILL_BATCH_TOKENS
 from ..options import parse_config_options, sigint_to_main_thread_only
 
 DEFAULT_MAX_NUM_SEQS = 8
@@ -64,7 +67,7 @@ def parse_bytes(text) -> int:
 
 def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_num_seqs=1, max_queue=128,
                      max_model_len=None, api_key=None, max_request_bytes=None, kv_cache_memory_bytes=None,
-                     max_num_batched_tokens=None):
+                     max_num_batched_tokens=None, prefill_batch_tokens=DEFAULT_PREFILL_BATCH_TOKENS):
     """The FastAPI app over `pipe`: scheduler, engine, metrics and endpoints wired together.
     max_num_seqs 1: one request at a time (SequentialBackend); more: continuous batching
     (BatchedBackend over the paged runner's block pool, with prefix caching as `pipe.prefix_cache`).
@@ -110,7 +113,8 @@ def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_
                              f"fewer than --max-model-len {max_model_len}: raise the one or lower the other")
         if pool_tokens < context:
             max_model_len = max_model_len or pool_tokens
-        scheduler = BatchedBackend(pipe, block_size, draft, max_num_seqs, pool_blocks, max_num_batched_tokens)
+        scheduler = BatchedBackend(pipe, block_size, draft, max_num_seqs, pool_blocks, max_num_batched_tokens,
+                                   prefill_batch_tokens)
     metrics = ServerMetrics(served_model_names[0], bool(pipe.prefix_cache))
     if max_num_seqs > 1:
         metrics.watch_pool(scheduler.batch.pool_usage)
