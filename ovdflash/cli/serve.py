@@ -27,10 +27,10 @@ from pathlib import Path
 import click
 
 from .. import TARGET_RUNNERS
+from ..decode.scheduler import DEFAULT_PREFILL_BATCH_TOKENS
 from ..options import parse_block_size
 from ..ov.precision import PRECISIONS
 from ..server.tool_calls import describe_tool_format
-from ..decode.scheduler import DEFAULT_PREFILL_BATCH_TOKENS
 from ..server.wiring import build_server_app, is_loopback, load_pipeline, parse_bytes
 from .options import CONFIDENCE_THRESHOLD_OPTION, WIDE_TARGET_OPTION, compile_options
 

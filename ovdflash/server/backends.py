@@ -11,8 +11,9 @@ Contract:
   max_num_seqs requests at once, joining and leaving between rounds, every round ONE target call
   for all of them (ovdflash.batch_generation over the batch scheduler and the paged runner's block
   pool). Whole prompts that arrive together prefill a few at a time (the scheduler's
-  `prefill_batch_tokens`), so the first of a burst answers after one prefill, not all of them. block_size None or "auto": the load-aware policy chooses each round's drafts for the
-  whole batch; an integer fixes them. A request whose KV cache cannot be booked yet waits, FIFO.
+  `prefill_batch_tokens`), so the first of a burst answers after one prefill, not all of them.
+  block_size None or "auto": the load-aware policy chooses each round's drafts for the whole
+  batch; an integer fixes them. A request whose KV cache cannot be booked yet waits, FIFO.
   Each request's text equals `DFlashPipeline.generate` alone (greedy; sampled with a seed, the
   same draws). A request the batch refuses at `add` ends alone with "error" at the next step.
 - Both hold a request's output to its grammar (`RequestParams.structured`, decode.structured) and
