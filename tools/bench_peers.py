@@ -5,7 +5,7 @@ Each leg is NAME=COMMAND: a shell command that starts an OpenAI-compatible serve
 (interleaved), and for every concurrency level: start the server, wait for GET /v1/models, run
 `ovdflash bench-serve` per prompt set, sample the resident memory of the server's whole process tree
 every 0.2 s, stop it. Failed requests are counted, not fatal.
-Prints a table of medians over the repetitions (tok/s, TTFT / TPOT medians, peak RSS) and the greedy
+Prints a table of medians over the repetitions (tok/s, TTFT median and mean, TPOT median, peak RSS) and the greedy
 agreement of every leg's replies with a reference leg's, and writes every report to --out.
 
     python tools/bench_peers.py --out peers.json --repetitions 2 \\
@@ -153,14 +153,15 @@ def table(runs: list[dict], legs: list[str], sets: list[str], concs: list[int], 
                 and r["rep"] == 0 for reply in r["report"]["replies"] if reply["ok"]}
 
     head = "| leg | " + " | ".join(f"c={c} tok/s {'/'.join(sets)}" for c in concs) + " | " + \
-        " | ".join(f"c={c} TTFT / TPOT ms" for c in concs) + " | peak MB | greedy = " + reference + \
-        " (c=1) | failed requests |"
+        " | ".join(f"c={c} TTFT median / mean, TPOT ms" for c in concs) + " | peak MB | greedy = " + reference + \
+        f" (c={concs[0]}) | failed requests |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     ref = texts(reference, concs[0])
     for leg in legs:
         tok = [" / ".join(f"{med(leg, c, s, lambda r: r['report']['output_throughput']):.1f}" for s in sets)
                for c in concs]
         lat = [f"{statistics.median(med(leg, c, s, lambda r: r['report']['ttft_ms']['median']) for s in sets):.0f} / "
+               f"{statistics.median(med(leg, c, s, lambda r: r['report']['ttft_ms']['mean']) for s in sets):.0f}, "
                f"{statistics.median(med(leg, c, s, lambda r: r['report']['tpot_ms']['median']) for s in sets):.1f}"
                for c in concs]
         peak = max((r["peak_mb"] for r in runs if r["leg"] == leg and "peak_mb" in r), default=float("nan"))
