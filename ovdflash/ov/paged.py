@@ -248,11 +248,7 @@ class OVPagedTarget(LogitRows, PagedKV):
         if self.wide_request is None:
             return None
         sizes = self.calibration_sizes(sizes)
-        self.reset()
-        self.run(np.ones(context_tokens, dtype=np.int64), np.array([context_tokens - 1]))
-        self.commit(context_tokens)
-        if release_pages is not None:
-            release_pages()
+        self._start_at_context(context_tokens, release_pages)
         times = {(size, wide): [] for size in sizes for wide in (False, True)}
         kept = self.wide_from
         for rep in range(repetitions + 1):  # the first repetition warms each shape up, untimed
@@ -276,15 +272,21 @@ class OVPagedTarget(LogitRows, PagedKV):
     def warm_calls(self, release_pages=None, context_tokens: int = 64) -> None:
         """Run each calibration size once on the request that serves it, as a calibration would have
         (the plugin builds a shape's kernels at its first call); `release_pages` as in calibrate_wide."""
-        self.reset()
-        self.run(np.ones(context_tokens, dtype=np.int64), np.array([context_tokens - 1]))
-        self.commit(context_tokens)
+        self._start_at_context(context_tokens, release_pages)
         for size in self.calibration_sizes():
             self.run(np.ones(size, dtype=np.int64), np.arange(size))
             self.commit(1)
             if release_pages is not None:
                 release_pages()
         self.reset()
+
+    def _start_at_context(self, context_tokens: int, release_pages=None) -> None:
+        """A fresh sequence of context_tokens committed tokens, the calls calibrate_wide and warm_calls time from."""
+        self.reset()
+        self.run(np.ones(context_tokens, dtype=np.int64), np.array([context_tokens - 1]))
+        self.commit(context_tokens)
+        if release_pages is not None:
+            release_pages()
 
     def calibration_sizes(self, sizes=CALIBRATION_SIZES) -> tuple[int, ...]:
         """The call sizes `calibrate_wide` times (a hybrid's are capped by its per-token states)."""

@@ -314,6 +314,7 @@ def replica_settings(model_dir: str | Path | None = None, replicas: int = 2, num
                      report_interval_s: float = 1.0, silent_after_s: float = 5.0, **options) -> _ReplicaSettings:
     """What every replica gets, checked here (without Ray) so that bad options fail before any replica starts."""
     from ..decode.block_policy import ConfidenceCut
+    from ..decode.scheduler import check_token_budget
     from ..manifest import load_manifest
     from ..options import parse_config_options
     from .wiring import parse_bytes
@@ -343,10 +344,8 @@ def replica_settings(model_dir: str | Path | None = None, replicas: int = 2, num
         raise ValueError(f"--max-queue must be >= 0, got {serve_options.max_queue}")
     if serve_options.kv_cache_memory_bytes is not None:
         parse_bytes(serve_options.kv_cache_memory_bytes)
-    for flag, tokens in (("--max-num-batched-tokens", serve_options.max_num_batched_tokens),
-                         ("--prefill-batch-tokens", serve_options.prefill_batch_tokens)):
-        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
-            raise ValueError(f"{flag} must be an integer >= 1, got {tokens!r}")
+    check_token_budget(serve_options.max_num_batched_tokens, "--max-num-batched-tokens")
+    check_token_budget(serve_options.prefill_batch_tokens, "--prefill-batch-tokens")
     if serve_options.confidence_threshold is not None:
         ConfidenceCut(serve_options.confidence_threshold)
     if model_dir is not None:
