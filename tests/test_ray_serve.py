@@ -230,7 +230,7 @@ def test_killed_replica_is_replaced_while_the_other_answers(ray_server, client):
     assert ok == want_ok and state["status"] == "ok", state
 
 
-def test_replica_settings_carry_the_batch_budgets_and_the_confidence_threshold(tiny_pair):
+def test_replica_settings_carry_the_batch_budgets_the_cache_bound_and_the_confidence_threshold(tiny_pair):
     from ovdflash.server.ray_app import replica_settings
 
     from ovdflash.decode.scheduler import DEFAULT_PREFILL_BATCH_TOKENS
@@ -245,3 +245,6 @@ def test_replica_settings_carry_the_batch_budgets_and_the_confidence_threshold(t
         replica_settings(tiny_pair, 2, 1.0, prefill_batch_tokens=0)
     with pytest.raises(ValueError, match="confidence_threshold"):
         replica_settings(tiny_pair, 2, 1.0, confidence_threshold=1.5)
+    assert replica_settings(tiny_pair, 2, 1.0, prefix_cache_memory_bytes="0").options.prefix_cache_memory_bytes == "0"
+    with pytest.raises(ValueError, match="--prefix-cache-memory-bytes must be a size"):
+        replica_settings(tiny_pair, 2, 1.0, prefix_cache_memory_bytes="half")

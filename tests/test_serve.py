@@ -446,6 +446,7 @@ def test_serve_without_model_dir_uses_the_embedded_default(tiny_pair, monkeypatc
     (["--host", "0.0.0.0"], ["--api-key", "--allow-open"]),
     (["--max-num-seqs", "0"], ["--max-num-seqs"]),
     (["--kv-cache-memory-bytes", "lots"], ["--kv-cache-memory-bytes", "4G"]),
+    (["--prefix-cache-memory-bytes", "-1M"], ["--prefix-cache-memory-bytes", "(or 0)"]),
     (["--max-num-seqs", "4", "--target-runner", "stateful"], ["paged target runner", "stateful"]),
     (["--block-size", "x"], ["--block-size"]),
 ])

@@ -135,6 +135,34 @@ def test_a_small_pool_lowers_the_context_limit_and_a_larger_request_is_a_400(pip
                          max_model_len=block_tokens + 1)
 
 
+def test_the_prefix_cache_keeps_what_its_memory_bound_allows(pipe):
+    """Default: a quarter of the pool; a size: that many blocks' bytes; 0: nothing beyond running
+    requests, so distinct prompts evict cached blocks rather than touch new ones; answers unchanged."""
+    from ovdflash.server.wiring import build_server_app
+
+    per_block = pool_bytes_per_block(paged_compiled(pipe.target))
+    app = build_server_app(pipe, ["tiny"], max_num_seqs=2, kv_cache_memory_bytes=str(per_block * 40))
+    assert app.state.engine.scheduler.batch.scheduler.target.pool.max_idle_cached == 10
+    assert "keep at most 10 more blocks" in app.state.kv_pool
+    app = build_server_app(pipe, ["tiny"], max_num_seqs=2, kv_cache_memory_bytes=str(per_block * 40),
+                           prefix_cache_memory_bytes=str(per_block * 3 + 1))
+    assert app.state.engine.scheduler.batch.scheduler.target.pool.max_idle_cached == 3
+    touched, evicted = {}, {}
+    for blocks, bound in ((44, None), (48, "0")):  # another pool size: a fresh batch target
+        with serving(pipe, block_size=4, max_num_seqs=2, kv_cache_memory_bytes=str(per_block * blocks),
+                     prefix_cache_memory_bytes=bound) as (url, engine):
+            pool = engine.scheduler.batch.scheduler.target.pool
+            answers = [client_for(url).completions.create(model="tiny", prompt=PROMPTS[i] * 2, max_tokens=20,
+                                                          temperature=0).choices[0].text for i in range(4)]
+            touched[bound], evicted[bound] = pool.num_touched, pool.num_evicted
+        assert answers == [pipe.generate(PROMPTS[i] * 2, max_new_tokens=20, block_size=4).text for i in range(4)]
+    # one request at a time: with 0 the pool reuses one request's blocks, by default it keeps them all
+    assert evicted == {None: 0, "0": evicted["0"]} and evicted["0"] > 0
+    assert 0 < touched["0"] < touched[None] and touched[None] >= 4
+    with pytest.raises(ValueError, match="--prefix-cache-memory-bytes must be a size"):
+        build_server_app(pipe, ["tiny"], max_num_seqs=2, prefix_cache_memory_bytes="some")
+
+
 def test_requests_sharing_a_system_prompt_reuse_its_blocks(pipe):
     system = "You are a careful assistant. Answer briefly and never make things up. " * 6
     chats = [[{"role": "system", "content": system}, {"role": "user", "content": p}] for p in PROMPTS[:6]]

@@ -63,6 +63,9 @@ from .options import CONFIDENCE_THRESHOLD_OPTION, WIDE_TARGET_OPTION, compile_op
 @click.option("--kv-cache-memory-bytes", default=None, metavar="SIZE",
               help="KV block pool limit for batching, e.g. 4G (default: one full context shared by the batch, "
                    "at most a quarter of the available memory).")
+@click.option("--prefix-cache-memory-bytes", default=None, metavar="SIZE",
+              help="Memory the prefix cache may keep of finished requests' KV blocks beyond what running requests "
+                   "hold, e.g. 256M (default: a quarter of the pool; 0: only blocks running requests needed).")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
               help="Reuse the KV blocks of prompt prefixes computed before (a shared system prompt, earlier chat "
                    "turns); output unchanged.")
@@ -91,7 +94,8 @@ from .options import CONFIDENCE_THRESHOLD_OPTION, WIDE_TARGET_OPTION, compile_op
               help="With --replicas: an existing Ray cluster ('auto' or HEAD:6379); "
                    "default: a local instance on loopback.")
 def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_size, no_draft, prompt_lookup,
-          max_num_seqs, max_num_batched_tokens, prefill_batch_tokens, kv_cache_memory_bytes, enable_prefix_caching, max_queue, max_model_len, max_request_bytes,
+          max_num_seqs, max_num_batched_tokens, prefill_batch_tokens, kv_cache_memory_bytes, prefix_cache_memory_bytes,
+          enable_prefix_caching, max_queue, max_model_len, max_request_bytes,
           shutdown_timeout, device, cache_dir, config, target_runner, precision, wide_target, confidence_threshold,
           log_level, replicas, num_cpus_per_replica, ray_address):
     """Serve MODEL_DIR (default: SmolLM2-135M + shipped drafter) as an OpenAI-compatible API."""
@@ -110,6 +114,7 @@ def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_s
                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 prefill_batch_tokens=prefill_batch_tokens or None,
                                 kv_cache_memory_bytes=kv_cache_memory_bytes,
+                                prefix_cache_memory_bytes=prefix_cache_memory_bytes,
                                 enable_prefix_caching=enable_prefix_caching, wide_target=wide_target,
                                 confidence_threshold=confidence_threshold,
                                 max_queue=max_queue, max_model_len=max_model_len, api_key=api_key,
@@ -119,6 +124,8 @@ def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_s
     try:
         if kv_cache_memory_bytes is not None:
             parse_bytes(kv_cache_memory_bytes)
+        if prefix_cache_memory_bytes is not None:
+            parse_bytes(prefix_cache_memory_bytes, "--prefix-cache-memory-bytes", allow_zero=True)
         block_size = parse_block_size(block_size)
         from ..server.app import run_server  # fastapi/uvicorn missing: a clear error before the slow load
         pipe = load_pipeline(model_dir, device, no_draft, cache_dir, target_runner, prompt_lookup, precision,
@@ -126,7 +133,7 @@ def serve(model_dir, host, port, api_key, allow_open, served_model_name, block_s
         names = list(served_model_name) or [Path(pipe.model_dir).name]
         app = build_server_app(pipe, names, block_size, False if no_draft else None, max_num_seqs, max_queue,
                                max_model_len, api_key, max_request_bytes, kv_cache_memory_bytes,
-                               max_num_batched_tokens, prefill_batch_tokens or None)
+                               max_num_batched_tokens, prefill_batch_tokens or None, prefix_cache_memory_bytes)
     except ImportError as exc:
         raise click.ClickException(f"the server needs its extra: pip install 'ovdflash[serve]' ({exc})") from exc
     except (ValueError, FileNotFoundError, RuntimeError) as exc:

@@ -1,12 +1,14 @@
 """The books of the batched paged target's KV blocks: bookings, block tables, the free list, the prefix cache.
 
 Contract:
-- `BlockPool(pool_blocks, block_tokens, max_length, grow, initial_blocks=16, caches_prefixes=True)`
-  keeps the books of ONE pool of `pool_blocks` blocks of `block_tokens` tokens that every sequence
-  takes its blocks from; it holds no tensor. `grow(needed, limit)` makes the storage hold `needed`
-  blocks at least and `limit` at most, and returns how many it holds (`PagedKV.fit_blocks`: by
-  doubling); the pool asks it for `initial_blocks` first and for more only when no allocated block
-  is free. Freed blocks go on a free list and are reused.
+- `BlockPool(pool_blocks, block_tokens, max_length, grow, initial_blocks=16, caches_prefixes=True,
+  max_idle_cached=None)` keeps the books of ONE pool of `pool_blocks` blocks of `block_tokens` tokens
+  that every sequence takes its blocks from; it holds no tensor. `grow(needed, limit)` makes the
+  storage hold `needed` blocks at least and `limit` at most, and returns how many it holds
+  (`PagedKV.fit_blocks`: by doubling); the pool asks it for `initial_blocks` first and for more only
+  when every allocated block has been used, so a growth copies used blocks only. A sequence takes a
+  freed block first, then a block never used (in order: blocks 0..`num_touched`-1 are the ones
+  whose memory was ever written).
 - `reserve(seq_id, num_tokens, prompt_ids=None)` books the blocks a sequence can ever write (at
   most `max_length` tokens); False when the pool has too few free blocks now (the scheduler keeps it
   waiting); a booking larger than the whole pool is a `PoolExhaustedError` (a ValueError).
@@ -22,7 +24,9 @@ Contract:
   `matched_blocks(seq_id)` names them. Shared blocks are only read: a sequence writes from its
   committed length on, which lies past every full block. A cached block nobody holds counts as free:
   it is evicted (least recently released first, a chain's tail before its head) when a sequence needs
-  a block and the pool is at its limit. A block is found only by its exact tokens. The digests
+  a block and no freed one is left, once `max_idle_cached` such blocks wait (None: a quarter of the
+  pool, `default_idle_cached`) or the pool is at its limit: the memory the pool touches stays within what running sequences
+  hold plus that many cached blocks. A block is found only by its exact tokens. The digests
   and which cached blocks are idle are `prefixes`' (a `PrefixCache`); `num_prefix_queries` /
   `num_prefix_hits` count the prompt tokens looked up and found. `digests(seq_id)` lists the chain
   digest of each of a sequence's hashed blocks (matched or filled), in order. `match_limit` (None:
@@ -42,6 +46,11 @@ import numpy as np
 
 class PoolExhaustedError(ValueError):
     pass
+
+
+def default_idle_cached(pool_blocks: int) -> int:
+    """Cached blocks nobody holds that a pool keeps beyond its running sequences' by default: a quarter."""
+    return max(1, pool_blocks // 4)
 
 
 def block_digest(previous: bytes, token_ids: np.ndarray) -> bytes:
@@ -130,16 +139,22 @@ class BlockPool:
     """Bookings, block tables, free list and prefix cache of one pool of KV blocks (module contract)."""
 
     def __init__(self, pool_blocks: int, block_tokens: int, max_length: int, grow: Callable[[int, int], int],
-                 initial_blocks: int = 16, caches_prefixes: bool = True):
+                 initial_blocks: int = 16, caches_prefixes: bool = True, max_idle_cached: int | None = None):
         if isinstance(pool_blocks, bool) or not isinstance(pool_blocks, (int, np.integer)) or pool_blocks < 1:
             raise ValueError(f"pool_blocks must be an integer >= 1, got {pool_blocks!r}")
+        if max_idle_cached is not None and (isinstance(max_idle_cached, bool) or
+                                            not isinstance(max_idle_cached, (int, np.integer)) or max_idle_cached < 0):
+            raise ValueError(f"max_idle_cached must be an integer >= 0 or None, got {max_idle_cached!r}")
         self.pool_blocks = int(pool_blocks)
+        # cached blocks nobody holds that may keep memory running sequences do not need
+        self.max_idle_cached = default_idle_cached(self.pool_blocks) if max_idle_cached is None else int(max_idle_cached)
         self.block_tokens = block_tokens
         self.max_length = max_length
         self.grow = grow
         self.caches_prefixes = caches_prefixes
         self.num_allocated = 0     # blocks the storage holds
-        self.free: list[int] = []  # allocated blocks holding nothing
+        self.num_touched = 0       # blocks 0.. of it ever handed out (their memory written)
+        self.free: list[int] = []  # allocated blocks holding nothing: never used ones (descending) first, freed ones after
         self.refs: dict[int, int] = {}  # block id -> sequences whose table holds it (absent: 0)
         self.num_referenced = 0    # blocks some sequence holds
         self.num_budgeted = 0      # blocks booked by sequences and not taken yet
@@ -167,10 +182,11 @@ class BlockPool:
 
     def pool_usage(self) -> dict[str, int]:
         """Blocks held by running sequences (`used`), cached ones nobody holds (`cached`, evicted on
-        demand) and the rest (`free`), which add up to `pool_blocks`; `allocated`: in the storage."""
+        demand) and the rest (`free`), which add up to `pool_blocks`; `allocated`: in the storage,
+        `touched`: of those, ever used (resident)."""
         used, cached = self.num_referenced, len(self.prefixes.evictable)
         return {"used": used, "cached": cached, "free": self.pool_blocks - used - cached,
-                "allocated": self.num_allocated}
+                "allocated": self.num_allocated, "touched": self.num_touched}
 
     # -- bookings --------------------------------------------------------------------------------
     def reserve(self, seq_id, num_tokens: int, prompt_ids=None) -> bool:
@@ -260,16 +276,20 @@ class BlockPool:
     # -- blocks ----------------------------------------------------------------------------------
     def _allocate(self, needed: int) -> None:
         allocated = self.grow(needed, self.pool_blocks)
-        self.free.extend(range(self.num_allocated, allocated))
+        self.free[:0] = range(allocated - 1, self.num_allocated - 1, -1)  # popped after the older unused ones
         self.num_allocated = allocated
 
     def _take_block(self) -> int:
-        if not self.free and self.num_allocated < self.pool_blocks:
+        freed = bool(self.free) and self.free[-1] < self.num_touched
+        if not freed and self.prefixes.evictable and (len(self.prefixes.evictable) >= self.max_idle_cached
+                                                      or (not self.free and self.num_allocated == self.pool_blocks)):
+            self.num_evicted += 1
+            return self.prefixes.evict()
+        if not self.free:  # bookings guarantee room: see free_blocks
             self._allocate(self.num_allocated + 1)
-        if self.free:
-            return self.free.pop()
-        self.num_evicted += 1
-        return self.prefixes.evict()  # bookings guarantee one: see free_blocks
+        block = self.free.pop()
+        self.num_touched = max(self.num_touched, block + 1)
+        return block
 
     def _hold(self, block: int) -> None:
         count = self.refs.get(block, 0)

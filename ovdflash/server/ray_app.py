@@ -75,6 +75,7 @@ class ServeOptions:
     max_num_batched_tokens: int | None = None
     prefill_batch_tokens: int | None = DEFAULT_PREFILL_BATCH_TOKENS
     kv_cache_memory_bytes: str | int | None = None
+    prefix_cache_memory_bytes: str | int | None = None
     enable_prefix_caching: bool = True
     wide_target: bool | None = None
     confidence_threshold: float | None = None
@@ -208,7 +209,8 @@ class OpenAIReplica:
                                api_key=o.api_key, max_request_bytes=o.max_request_bytes,
                                kv_cache_memory_bytes=o.kv_cache_memory_bytes,
                                max_num_batched_tokens=o.max_num_batched_tokens,
-                               prefill_batch_tokens=o.prefill_batch_tokens)
+                               prefill_batch_tokens=o.prefill_batch_tokens,
+                               prefix_cache_memory_bytes=o.prefix_cache_memory_bytes)
         self.engine = app.state.engine
         _replace_get_route(app, "/health", self.health)
         _replace_get_route(app, "/metrics", self.metrics)
@@ -344,6 +346,8 @@ def replica_settings(model_dir: str | Path | None = None, replicas: int = 2, num
         raise ValueError(f"--max-queue must be >= 0, got {serve_options.max_queue}")
     if serve_options.kv_cache_memory_bytes is not None:
         parse_bytes(serve_options.kv_cache_memory_bytes)
+    if serve_options.prefix_cache_memory_bytes is not None:
+        parse_bytes(serve_options.prefix_cache_memory_bytes, "--prefix-cache-memory-bytes", allow_zero=True)
     check_token_budget(serve_options.max_num_batched_tokens, "--max-num-batched-tokens")
     check_token_budget(serve_options.prefill_batch_tokens, "--prefill-batch-tokens")
     if serve_options.confidence_threshold is not None:

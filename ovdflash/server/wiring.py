@@ -5,7 +5,7 @@ Contract:
   `ovdflash chat` does (`config`: KEY=VALUE items, as `-c` gives them).
 - `build_server_app(pipe, served_model_names, block_size, draft, max_num_seqs, max_queue,
   max_model_len, api_key, max_request_bytes, kv_cache_memory_bytes, max_num_batched_tokens,
-  prefill_batch_tokens)` wires backend, engine, metrics and endpoints (max_num_batched_tokens: the
+  prefill_batch_tokens, prefix_cache_memory_bytes)` wires backend, engine, metrics and endpoints (max_num_batched_tokens: the
   batch's per-round token budget; prefill_batch_tokens: how many whole prompts' tokens a round
   prefills together, None: all waiting; decode.scheduler.DEFAULT_PREFILL_BATCH_TOKENS by default).
   max_num_seqs None: batch where the runner can (`DEFAULT_MAX_NUM_SEQS` on the paged runner, else 1);
@@ -13,7 +13,9 @@ Contract:
   (`parse_bytes`: "4G", "512M", bytes) or `ov.paged_batch.default_pool_blocks` (one full context
   shared by the batch, at most a quarter of the available memory); a pool smaller than one
   full-context sequence lowers the context limit to what it holds (an explicit max_model_len beyond
-  it is a ValueError). `app.state.kv_pool` describes the pool (tokens, MiB, KV precision) for the
+  it is a ValueError). Cached prefix blocks nobody holds keep at most `prefix_cache_memory_bytes` of
+  memory beyond what running requests hold (None: a quarter of the pool; `block_pool` contract).
+  `app.state.kv_pool` describes the pool (tokens, MiB, KV precision) for the
   start-up line; `/metrics` reads the pool's used / cached / free blocks.
 - `is_loopback(host)`: whether an address only this machine reaches.
 """
@@ -55,19 +57,20 @@ def load_pipeline(model_dir, device, no_draft, cache_dir, target_runner, prompt_
     return pipe
 
 
-def parse_bytes(text) -> int:
+def parse_bytes(text, flag: str = "--kv-cache-memory-bytes", allow_zero: bool = False) -> int:
     """'1073741824', '512M', '4G' or '4GiB' as bytes (K, M, G, T: powers of 1024, as vLLM reads them)."""
     import re
 
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
-    if m is None or float(m.group(1)) <= 0:
-        raise ValueError(f"--kv-cache-memory-bytes must be a size such as 4G or 536870912, got {text!r}")
+    if m is None or float(m.group(1)) < 0 or (float(m.group(1)) == 0 and not allow_zero):
+        raise ValueError(f"{flag} must be a size such as 4G or 536870912{' (or 0)' if allow_zero else ''}, got {text!r}")
     return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
 
 
 def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_num_seqs=1, max_queue=128,
                      max_model_len=None, api_key=None, max_request_bytes=None, kv_cache_memory_bytes=None,
-                     max_num_batched_tokens=None, prefill_batch_tokens=DEFAULT_PREFILL_BATCH_TOKENS):
+                     max_num_batched_tokens=None, prefill_batch_tokens=DEFAULT_PREFILL_BATCH_TOKENS,
+                     prefix_cache_memory_bytes=None):
     """The FastAPI app over `pipe`: scheduler, engine, metrics and endpoints wired together.
     max_num_seqs 1: one request at a time (SequentialBackend); more: continuous batching
     (BatchedBackend over the paged runner's block pool, with prefix caching as `pipe.prefix_cache`).
@@ -93,6 +96,7 @@ def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_
     if max_num_seqs == 1:
         scheduler = SequentialBackend(pipe, block_size, draft)
     else:
+        from ..ov.block_pool import default_idle_cached
         from ..ov.paged_batch import (
             block_tokens_of,
             blocks_for_bytes,
@@ -100,6 +104,7 @@ def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_
             default_pool_blocks,
             describe_pool,
             paged_compiled,
+            pool_bytes_per_block,
         )
 
         compiled = paged_compiled(pipe.target)  # another runner: a clear error
@@ -115,6 +120,12 @@ def build_server_app(pipe, served_model_names, block_size=None, draft=None, max_
             max_model_len = max_model_len or pool_tokens
         scheduler = BatchedBackend(pipe, block_size, draft, max_num_seqs, pool_blocks, max_num_batched_tokens,
                                    prefill_batch_tokens)
+        pool = scheduler.batch.scheduler.target.pool
+        pool.max_idle_cached = (default_idle_cached(pool_blocks) if prefix_cache_memory_bytes is None else
+                                parse_bytes(prefix_cache_memory_bytes, "--prefix-cache-memory-bytes", allow_zero=True)
+                                // pool_bytes_per_block(compiled, caching))
+        if caching:
+            pool_text += f"; finished requests' prefixes keep at most {pool.max_idle_cached} more blocks"
     metrics = ServerMetrics(served_model_names[0], bool(pipe.prefix_cache))
     if max_num_seqs > 1:
         metrics.watch_pool(scheduler.batch.pool_usage)
