@@ -1,6 +1,7 @@
 """Memory that stays bounded under varied traffic (docs/SERVING.md, Memory).
 
-Checked: every model the runtime compiles for the CPU carries the runtime-cache bound (the CPU
+Checked: every model the runtime compiles for the CPU carries the runtime-cache bound, and oneDNN's
+primitive cache is bounded before the first compile unless the environment sets it (the CPU
 plugin keeps one executor per input shape it meets, and without a bound a server meeting new
 prompt lengths, batch mixes and verify widths grows by GBs); a few hundred prompts of distinct
 lengths, single and batched, meet more distinct shapes than that bound (so the bound is what keeps
@@ -8,6 +9,7 @@ the plugin's caches finite), keep the outputs unchanged and leave nothing per re
 default KV pool is one full context shared by the batch, capped by the memory available, and the
 start-up line says what it holds; the pool's used / cached / free blocks add up to the pool.
 """
+import os
 import platform
 
 import numpy as np
@@ -35,19 +37,26 @@ class RecordingCore(ov.Core):
     def __init__(self):
         super().__init__()
         self.configs = []
+        self.onednn = []  # oneDNN's primitive cache bound in the environment at each compile
 
     def compile_model(self, model, device=None, config=None):
         self.configs.append(dict(config or {}))
+        self.onednn.append(os.environ.get(ov_compile.ONEDNN_CACHE_VARIABLE))
         return super().compile_model(model, device, config or {})
 
 
 @pytest.mark.parametrize("target_runner", ["paged", "stateful"])
-def test_every_cpu_compile_is_bounded(tiny_pair, target_runner):
+def test_every_cpu_compile_is_bounded(tiny_pair, target_runner, monkeypatch):
+    monkeypatch.delenv(ov_compile.ONEDNN_CACHE_VARIABLE, raising=False)
     core = RecordingCore()
     ov_compile.compile_runners(tiny_pair, load_manifest(tiny_pair), "CPU", {}, core=core, target_runner=target_runner)
     assert len(core.configs) == 2  # target and drafter
     for config in core.configs:
         assert config["CPU_RUNTIME_CACHE_CAPACITY"] == str(ov_compile.RUNTIME_CACHE_CAPACITY)
+    assert core.onednn == [str(ov_compile.ONEDNN_CACHE_CAPACITY)] * 2
+    monkeypatch.setenv(ov_compile.ONEDNN_CACHE_VARIABLE, "512")  # the user's value wins
+    ov_compile.cpu_defaults("CPU", {})
+    assert os.environ[ov_compile.ONEDNN_CACHE_VARIABLE] == "512"
     # a value the caller sets wins
     core = RecordingCore()
     ov_compile.compile_runners(tiny_pair, load_manifest(tiny_pair), "CPU", {"CPU_RUNTIME_CACHE_CAPACITY": "7"}, core=core)

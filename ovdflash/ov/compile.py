@@ -8,7 +8,8 @@ Contract:
   compiles with CACHE_DIR set (except for a target with fp16 weights: `FP16_UNCACHED`), and returns
   (OVPagedTarget | OVTarget | HybridTarget, OVDrafter | None). The drafter gets `DRAFTER_DEFAULTS`
   under `config` (a key set in `config` wins), and every model compiled for the CPU `cpu_defaults`
-  (a bounded runtime cache). When `drafter/draft_vocab.json` exists (and `use_draft_vocab`), the
+  (a bounded runtime cache, and oneDNN's primitive cache bounded through its environment variable
+  unless the environment sets it). When `drafter/draft_vocab.json` exists (and `use_draft_vocab`), the
   drafter's head is restricted to that draft vocabulary.
 - `compile_runners(..., target_runner=)` picks the target runner (`ovdflash.TARGET_RUNNERS`):
   "paged" (the default) applies openvino's paged-attention transformation before the runtime
@@ -20,6 +21,7 @@ Contract:
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import openvino as ov
@@ -45,10 +47,19 @@ DRAFTER_DEFAULTS = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
 RUNTIME_CACHE_CAPACITY = 32
 
 
+# oneDNN's process-wide primitive cache (1024 by default) kept ~250 MB of one-off shapes under
+# varied traffic; 128 left speed unchanged (docs/SERVING.md, Memory). A value in the environment wins.
+ONEDNN_CACHE_CAPACITY = 128
+ONEDNN_CACHE_VARIABLE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+
+
 def cpu_defaults(device: str, config: dict | None) -> dict:
-    """`config` with the runtime cache bound added for the CPU plugin (a key set in `config` wins)."""
-    bound = {"CPU_RUNTIME_CACHE_CAPACITY": str(RUNTIME_CACHE_CAPACITY)} if device.upper() == "CPU" else {}
-    return {**bound, **(config or {})}
+    """`config` with the runtime cache bound added for the CPU plugin (a key set in `config` wins);
+    also bounds oneDNN's primitive cache, which it sizes once, before its first primitive."""
+    if device.upper() != "CPU":
+        return dict(config or {})
+    os.environ.setdefault(ONEDNN_CACHE_VARIABLE, str(ONEDNN_CACHE_CAPACITY))
+    return {"CPU_RUNTIME_CACHE_CAPACITY": str(RUNTIME_CACHE_CAPACITY), **(config or {})}
 
 
 # A target with fp16 weights is compiled without CACHE_DIR: the CPU plugin (2026.4) runs an fp16 model
