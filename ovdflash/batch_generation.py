@@ -211,7 +211,8 @@ def batch_draft_policy(pipe, max_batch_size: int = 8):
         drafter = pool.take()
         try:
             tokens, call_cost_s, draft_cost_s = measure_batch_costs(
-                pipe.batch_target(), drafter, max_batch_size * pipe.block_size, pipe.block_size - 1)
+                pipe.batch_target(), drafter, max_batch_size * pipe.block_size, pipe.block_size - 1,
+                max_sequences=max_batch_size)
         finally:
             pool.give(drafter)
         pipe._batch.draft_policy = BatchDraftPolicy(tokens, call_cost_s, draft_cost_s)

@@ -209,7 +209,9 @@ def test_sampling_inside_a_batch_matches_the_exact_ar_distribution(load_aware):
         return MockTarget(vocab_size=8, seed=11, sharpness=1.2)
 
     target = MockBatchTarget(make_target=make_target)
-    policy = BatchDraftPolicy(list(range(1, 65)), [0.020 + 0.0001 * t for t in range(1, 65)], [0.0] + [0.0005] * 3)
+    # costs fixed (no learning from the mocks' wall clock), so the policy keeps drafting
+    policy = BatchDraftPolicy(list(range(1, 65)), [0.020 + 0.0001 * t for t in range(1, 65)], [0.0] + [0.0005] * 3,
+                              cost_update_rate=0.0, drift_rate=0.0)
     scheduler = Scheduler(target, MockDrafterSource(target, block_size=4), max_batch_size=8, draft_policy=policy)
     params, n = SamplingParams(temperature=1.0), 3000
     for i in range(n):
@@ -263,6 +265,26 @@ def test_load_aware_sequences_held_at_ar_verify_lookup_drafts_in_free_room():
     assert sum(s.num_lookup_drafts for s in steep) < sum(s.num_lookup_drafts for s in flat) / 2
     policy = BatchDraftPolicy([1, 4, 8], [0.02, 0.02, 0.04], [0.0, 0.001])
     assert policy.free_tokens(1) == 3 and policy.free_tokens(4) == 0 and policy.free_tokens(2) == 2
+
+
+def test_the_policy_learns_the_drafter_calls_it_chose_and_no_lookup_drafts():
+    from ovdflash.decode.block_policy import BatchDraftPolicy
+
+    class Recording(BatchDraftPolicy):
+        def observe_draft(self, num_drafts, seconds):
+            self.seen.append((num_drafts, seconds))
+            super().observe_draft(num_drafts, seconds)
+
+    target = MockBatchTarget(make_target=lambda: MockTarget(vocab_size=VOCAB, seed=3))
+    policy = Recording(list(range(1, 65)), [0.020] * 64, [0.0] + [0.001] * 3, cost_update_rate=0.0, drift_rate=0.0)
+    policy.seen = []
+    scheduler = Scheduler(target, MockDrafterSource(target, block_size=4), max_batch_size=4, draft_policy=policy)
+    prompts = [[3, 4, 5, 6] * 4, [7, 8, 9], [1, 2] * 5]
+    stats = [scheduler.add(i, p, 20, SamplingParams(), 4, True, (), load_aware=True) for i, p in enumerate(prompts)]
+    drain(scheduler)
+    drafter_rounds = sum(s.num_drafts - s.num_lookup_drafts for s in stats)
+    assert drafter_rounds > 0 and len(policy.seen) == drafter_rounds
+    assert all(1 <= k <= 3 and seconds > 0 for k, seconds in policy.seen)
 
 
 # -- chunked prefill: a per-round token budget ------------------------------------------------------

@@ -519,6 +519,23 @@ def test_batch_policy_falls_back_to_ar_for_a_bad_drafter_and_probes():
     assert states[0]["explore_wait"] > 3  # a failed probe waits longer next time
 
 
+def test_batch_policy_probes_only_where_a_good_drafter_could_pay():
+    """A bad drafter holds four sequences at AR; on a curve where every token costs an AR step's
+    worth no probe could pay, so none runs; on a flat curve they still probe."""
+    def probes(call_ms):
+        policy = batch_policy(call_ms, 0.6)
+        policy.explore_every = 3
+        states = [policy.new_sequence() for _ in range(4)]
+        for s in states:
+            s["estimate"].prior_strength = 2.0
+            for _ in range(30):
+                policy.observe(s, 3, 0)
+        return sum(1 for _ in range(40) if any(policy.choose(states, [7] * 4)))
+
+    assert probes([20.0 * t for t in range(1, 65)]) == 0
+    assert probes([20.0] * 64) > 0
+
+
 def test_batch_policy_learns_the_cost_curve():
     policy = batch_policy([20.0] * 8, 0.5)
     for _ in range(50):
@@ -530,6 +547,28 @@ def test_batch_policy_learns_the_cost_curve():
     assert policy.call_cost_s == sorted(policy.call_cost_s)
     with pytest.raises(ValueError, match="increasing"):
         BatchDraftPolicy([2, 1], [0.01, 0.02], [0.0, 0.001])
+
+
+def test_batch_policy_learns_what_drafter_calls_cost_in_use():
+    """A flat curve makes one draft look free beside three AR steps; once the drafter calls it
+    chose are seen to cost 3x the calibration (context to catch up), that draft no longer pays."""
+    policy = batch_policy([16.0] * 4 + [26.0] * 60, 0.45, draft_ms=1.4, max_drafts=3)
+    states = [policy.new_sequence() for _ in range(3)]
+    assert sum(policy.choose(states, [3] * 3)) == 1
+    calibrated = policy.draft_cost_s.copy()
+    policy.observe_draft(1, 0.0042)  # the first call seen moves the estimate all the way
+    assert policy.draft_cost_s[1] == pytest.approx(0.0042)
+    for _ in range(40):
+        policy.observe_draft(1, 0.0042)
+    assert policy.draft_cost_s[1] == pytest.approx(0.0042, rel=0.05)
+    assert np.allclose(policy.draft_cost_s[1:] / calibrated[1:], policy.draft_cost_s[1] / calibrated[1])  # one factor
+    assert policy.choose(states, [3] * 3) == [0, 0, 0]
+    policy.observe_draft(1, 50.0)  # one descheduled call moves the costs by a bounded step
+    assert policy.draft_cost_s[1] < 0.0042 * 2
+    for bad in ((0, 0.01), (4, 0.01), (1, 0.0)):
+        before = policy.draft_cost_s.copy()
+        policy.observe_draft(*bad)
+        assert np.array_equal(policy.draft_cost_s, before)
 
 
 def test_batch_policy_drafts_for_all_where_no_single_draft_pays():

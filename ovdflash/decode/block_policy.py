@@ -61,7 +61,7 @@ Contract:
 - `BatchDraftPolicy` is the same choice for a batch of sequences sharing one target call (the
   scheduler's block_size "auto"): from the batch's cost curve by total tokens and each sequence's
   acceptance (`DraftAcceptance`, the estimator BlockPolicy uses); `measure_batch_costs` measures
-  that curve on the batched runner.
+  that curve on the batched runner, each call's tokens spread over the sequences a round has.
 Any policy or cut only changes how many tokens are verified, never which are kept: output stays
 identical to autoregressive decoding (greedy) or distributed as it (sampling).
 Pure python/numpy: no OpenVINO here.
@@ -345,14 +345,21 @@ class BatchDraftPolicy:
     accepted)`), whose prior is the first-draft acceptance of every sequence observed so far
     (`population`). A sequence held at AR for `explore_every` rounds probes
     with `probe_drafts` drafts (the wait doubles up to `max_explore_every`, reset when drafting
-    is chosen), so its estimate does not freeze. `observe_call(tokens, seconds)` learns the cost
+    is chosen), so its estimate does not freeze, but only where drafts accepted at
+    `probe_acceptance` each would raise the batch's rate: where the call curve and the drafter's
+    cost rule drafting out (a full batch on a compute-bound host), a probe only costs. `observe_call(tokens, seconds)` learns the cost
     curve in use, as BlockPolicy.observe_round does (a drift of every cost, draft costs too, then
-    the point). `free_tokens(T)`: how many more tokens a call of T can carry at (nearly) no cost;
+    the point). `observe_draft(k, seconds)` learns what drafter calls cost in use: the calibration
+    times calls with no context to catch up and shapes already met, but a sequence that drafts
+    after AR steps first feeds the drafter their context, in an input shape often new to the
+    plugin, so real calls cost more (SmolLM2's drafter, 2 cores: 1.4 ms calibrated, 3.8 ms in use
+    at c=4); every draft cost moves by one factor towards the sample's ratio to its estimate, at
+    first by the running mean of the ratios, then at `cost_update_rate`. `free_tokens(T)`: how many more tokens a call of T can carry at (nearly) no cost;
     the scheduler fills it with n-gram lookup drafts, which cost no drafter call.
     Output is unchanged by any choice: only how many tokens are verified."""
 
     def __init__(self, call_tokens: Sequence[int], call_cost_s: Sequence[float], draft_cost_s: Sequence[float],
-                 explore_every: int = 16, max_explore_every: int = 128, probe_drafts: int = 2,
+                 explore_every: int = 16, max_explore_every: int = 128, probe_drafts: int = 2, probe_acceptance: float = 0.9,
                  cost_update_rate: float = 0.1, drift_rate: float = 0.3, prior_acceptance: float = 0.5,
                  prior_strength: float = 2.0, decay: float = 0.95):
         if len(call_tokens) != len(call_cost_s) or not call_tokens or list(call_tokens) != sorted(set(call_tokens)):
@@ -364,9 +371,11 @@ class BatchDraftPolicy:
         self.draft_cost_s = np.array([0.0] + [float(d) for d in draft_cost_s[1:]])
         self.max_drafts = len(draft_cost_s) - 1
         self.explore_every, self.max_explore_every, self.probe_drafts = explore_every, max_explore_every, probe_drafts
+        self.probe_acceptance = probe_acceptance
         self.cost_update_rate, self.drift_rate = cost_update_rate, drift_rate
         self.prior = (prior_acceptance, prior_strength, decay)
         self.population = DraftAcceptance(self.max_drafts, prior_acceptance, prior_strength, 0.999)
+        self.num_draft_samples = 0  # drafter calls observed: the first ones move the estimate most
 
     def call_cost(self, num_tokens) -> np.ndarray:
         tokens, costs = self.call_tokens, self.call_cost_s
@@ -425,21 +434,35 @@ class BatchDraftPolicy:
         rates = [expected / (float(self.call_cost(tokens)) + drafting)
                  for tokens, expected, drafting in map(totals, uniform)]
         best_uniform = uniform[int(np.argmax(rates))]
-        ks = max(climb([0] * len(caps)), climb(list(best_uniform)), key=lambda found: found[0])[1]
+        rate, ks = max(climb([0] * len(caps)), climb(list(best_uniform)), key=lambda found: found[0])
+        tokens, expected, drafting = totals(ks)
         for i, state in enumerate(states):
             if ks[i]:
                 state["ar_streak"], state["explore_wait"] = 0, self.explore_every
             elif caps[i]:
                 state["ar_streak"] += 1
                 if state["ar_streak"] > state["explore_wait"]:  # probe: an AR-only estimate never changes
-                    ks[i] = min(caps[i], self.probe_drafts)
                     state["ar_streak"] = 0
+                    k = min(caps[i], self.probe_drafts)
+                    hopeful = 1 + sum(self.probe_acceptance ** j for j in range(1, k + 1))
+                    if (expected - gains[i][0] + hopeful) / (float(self.call_cost(tokens + k)) + drafting
+                                                             + self.draft_cost_s[k]) <= rate:
+                        continue  # not even a drafter this good would pay in this batch: no probe
+                    ks[i] = k
                     state["explore_wait"] = min(2 * state["explore_wait"], self.max_explore_every)
         return ks
 
     def observe(self, state: dict, num_drafted: int, num_accepted: int) -> None:
         state["estimate"].observe(num_drafted, num_accepted)
         self.population.observe(num_drafted, num_accepted)
+
+    def observe_draft(self, num_drafts: int, seconds: float) -> None:
+        if not 1 <= num_drafts <= self.max_drafts or seconds <= 0 or self.draft_cost_s[num_drafts] <= 0:
+            return
+        ratio = min(max(seconds / float(self.draft_cost_s[num_drafts]), 0.25), 8.0)
+        rate = self.cost_update_rate and max(self.cost_update_rate, 1 / (1 + self.num_draft_samples))
+        self.num_draft_samples += 1
+        self.draft_cost_s = self.draft_cost_s * (1 + rate * (ratio - 1))
 
     def observe_call(self, num_tokens: int, seconds: float) -> None:
         estimate = float(self.call_cost(num_tokens))
@@ -460,35 +483,48 @@ BATCH_CALL_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 def measure_batch_costs(target, drafter, max_tokens: int, max_drafts: int, repetitions: int = 3,
-                        context_tokens: int = 32) -> tuple[list[int], list[float], list[float]]:
+                        context_tokens: int = 32, max_sequences: int = 1) -> tuple[list[int], list[float], list[float]]:
     """(call_tokens, call_cost_s, draft_cost_s) for BatchDraftPolicy: medians of `repetitions`
-    batched target calls of each size in BATCH_CALL_SIZES up to max_tokens (one sequence after a
-    `context_tokens` prompt; sizes interleaved so machine noise hits all alike), and of drafter
-    calls for 1 and max_drafts drafts (interpolated between). Each timed call follows an untimed
+    batched target calls of each size in BATCH_CALL_SIZES up to max_tokens, and of drafter calls
+    for 1 and max_drafts drafts (interpolated between). A call of t tokens is spread as a batch
+    round spreads them: over min(t, max_sequences) sequences after a `context_tokens` prompt each
+    (fewer where the pool has no room), since one call of several sequences costs more than one
+    sequence's call of as many tokens (SmolLM2, 2 cores: 4 x 2 tokens 38.8 ms, 1 x 8 33.8).
+    Sizes are interleaved so machine noise hits all alike, and each timed call follows an untimed
     one of the same size: the plugin's first call after a shape change costs more, and a batch's
     rounds mostly repeat their size. Leaves both runners as it found them (the calibration
-    sequence is released; the drafter is reset)."""
+    sequences are released; the drafter is reset)."""
     # a hybrid target keeps a state per token only for calls up to its limit: larger ones are learnt online
     limit = getattr(getattr(target, "linear", None), "max_checkpoints", max_tokens)
     sizes = [t for t in BATCH_CALL_SIZES if t <= min(max_tokens, limit)] or [1]
-    key = ("calibration", id(target))
-    budget = context_tokens + 2 * repetitions * len(sizes) + max(sizes)
-    if budget >= target.max_length or not target.reserve(key, budget):
-        raise RuntimeError(f"no room to measure the batch costs ({budget} tokens of KV cache needed)")
+    ids = (np.arange(context_tokens + max(sizes), dtype=np.int64) % 97) + 1
+    keys = []
     try:
-        ids = (np.arange(context_tokens + max(sizes), dtype=np.int64) % 97) + 1
-        ((_, feats),) = target.forward([(key, ids[:context_tokens], [context_tokens - 1])])
-        feats = np.array(feats)
-        target.commit(key, context_tokens)
+        for n in range(max(1, max_sequences)):
+            per_call = -(-max(sizes) // (n + 1))
+            budget = context_tokens + 2 * repetitions * len(sizes) + per_call
+            key = ("calibration", id(target), n)
+            if budget >= target.max_length or not target.reserve(key, budget):
+                break
+            keys.append(key)
+        if not keys:
+            raise RuntimeError(f"no room to measure the batch costs ({budget} tokens of KV cache needed)")
+        for key in keys:
+            ((_, feats),) = target.forward([(key, ids[:context_tokens], [context_tokens - 1])])
+            feats = np.array(feats)
+            target.commit(key, context_tokens)
         costs = {t: [] for t in sizes}
         for rep in range(repetitions):
             for t in sizes[rep % len(sizes):] + sizes[: rep % len(sizes)]:
+                n = min(t, len(keys))
+                lengths = [t // n + (i < t % n) for i in range(n)]
                 for timed in (False, True):
                     t0 = time.perf_counter()
-                    target.forward([(key, ids[:t], np.arange(t))])
+                    target.forward([(key, ids[:m], np.arange(m)) for key, m in zip(keys, lengths)])
                     if timed:
                         costs[t].append(time.perf_counter() - t0)
-                    target.commit(key, 1)
+                    for key in keys[:n]:
+                        target.commit(key, 1)
         drafter.reset()
         drafter.propose(int(ids[0]), feats, context_tokens, 1)
         draft = {1: [], max_drafts: []}
@@ -501,7 +537,8 @@ def measure_batch_costs(target, drafter, max_tokens: int, max_drafts: int, repet
                         draft[k].append(time.perf_counter() - t0)
         drafter.reset()
     finally:
-        target.release(key)
+        for key in keys:
+            target.release(key)
     d1, dmax = statistics.median(draft[1]), statistics.median(draft[max_drafts])
     per_draft = (dmax - d1) / (max_drafts - 1) if max_drafts > 1 else 0.0
     draft_cost = [0.0] + [d1 + per_draft * (k - 1) for k in range(1, max_drafts + 1)]

@@ -33,7 +33,8 @@ Contract:
   ends the sequence there ("stop"), as EOS does.
 - `accept_block` samples row i of the verified block at position start+1+i from the sequence's
   `PositionRandomness` (`sampling.accept_at_positions`): a zero-draft block is an AR step, so every
-  block size, lookup or not, gives the AR tokens. The drafter's context gets the kept tokens' features.
+  block size, lookup or not, gives the AR tokens. The drafter's context gets the kept tokens' features
+  (`SequenceState.ctx_feats`, kept as one part per round and joined when the drafter reads them).
 - `check_prompt`, `check_count`: the input rules both executors share (an empty prompt or one that
   leaves no room for a new token; max_new_tokens and block_size integers >= 1).
 - `DrafterRunner`: the drafter interface both executors drive.
@@ -41,7 +42,7 @@ May import: numpy and decode/ only; no clock either (the executors time their ca
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Protocol, Sequence
 
 import numpy as np
@@ -103,15 +104,16 @@ def verify_ids(last: int, drafts: np.ndarray) -> np.ndarray:
     return np.concatenate(([last], drafts)).astype(np.int64)
 
 
-def accept_block(drafts: np.ndarray, logits: np.ndarray, feats: np.ndarray, ctx_feats: np.ndarray,
-                 params: SamplingParams, randomness: PositionRandomness, start: int, feeds_drafter: bool
-                 ) -> tuple[int, int, np.ndarray]:
-    """(accepted drafts, next token, drafter context) of a verified `[last, *drafts]`; row i of
-    `logits` (the target's rows, or their `ProcessedRows`) scores position start+1+i; `feats` are the target's."""
+def accept_block(drafts: np.ndarray, logits: np.ndarray, feats: np.ndarray, params: SamplingParams,
+                 randomness: PositionRandomness, start: int, feeds_drafter: bool
+                 ) -> tuple[int, int, np.ndarray | None]:
+    """(accepted drafts, next token, the kept tokens' features for the drafter's context, None
+    without a drafter) of a verified `[last, *drafts]`; row i of `logits` (the target's rows, or
+    their `ProcessedRows`) scores position start+1+i; `feats` are the target's."""
     num_accepted, next_token = accept_at_positions(drafts, logits, params, randomness, start + 1)
-    if feeds_drafter:  # a copy: the runner's arrays are views that die at its next call
-        ctx_feats = np.concatenate([ctx_feats, feats[: num_accepted + 1]])
-    return num_accepted, int(next_token), ctx_feats
+    # a copy: the runner's arrays are views that die at its next call
+    kept_feats = np.array(feats[: num_accepted + 1]) if feeds_drafter else None
+    return num_accepted, int(next_token), kept_feats
 
 
 @dataclass
@@ -128,7 +130,7 @@ class SequenceState:
     grammar: GrammarState | None = None  # structured outputs: the grammar every token is held to
     draft_cut: object | None = None  # shortens a proposal the drafter is unsure of: cut(confidence) -> drafts
     last: int = -1  # the newest token: sampled, no KV yet
-    ctx_feats: np.ndarray | None = None  # target features the drafter has not consumed yet
+    ctx_parts: list = field(default_factory=list)  # target features the drafter has not consumed yet, by round
     num_out: int = 0
     done: bool = False  # the last event went out
 
@@ -138,6 +140,18 @@ class SequenceState:
         self.output: list[int] = []  # the tokens chosen so far, kept only for the penalties
         self.logprobs: list[TokenLogprob] = []  # the next events' logprobs, when asked for
         self.grammar_stop: int | None = None  # the round's tokens up to the one that completed the grammar
+
+    @property
+    def ctx_feats(self) -> np.ndarray | None:
+        """The features the drafter has not consumed yet, as one array: joined when read, since
+        joining every round copied the whole context once per AR step."""
+        if len(self.ctx_parts) > 1:
+            self.ctx_parts = [np.concatenate(self.ctx_parts)]
+        return self.ctx_parts[0] if self.ctx_parts else None
+
+    @ctx_feats.setter
+    def ctx_feats(self, feats: np.ndarray | None) -> None:
+        self.ctx_parts = [] if feats is None else [feats]
 
     def _rows(self, logits: np.ndarray, drafts: np.ndarray):
         """The rows tokens are chosen from: the target's, or processed over the tokens before each."""
@@ -195,8 +209,10 @@ class SequenceState:
     def accept(self, drafts: np.ndarray, logits: np.ndarray, feats: np.ndarray, start: int,
                from_lookup: bool) -> list[int]:
         rows = self._rows(logits, drafts)
-        num_accepted, self.last, self.ctx_feats = accept_block(
-            drafts, rows, feats, self.ctx_feats, self.params, self.randomness, start, self.drafter is not None)
+        num_accepted, self.last, kept_feats = accept_block(
+            drafts, rows, feats, self.params, self.randomness, start, self.drafter is not None)
+        if kept_feats is not None:
+            self.ctx_parts.append(kept_feats)
         accepted = [int(d) for d in drafts[:num_accepted]]
         self._chosen(rows, accepted + [self.last])
         if len(drafts):

@@ -34,7 +34,9 @@ Contract:
   limits); a `load_aware` one gets the drafts `draft_policy` (block_policy.BatchDraftPolicy; set
   it before adding such a request) chooses for the whole batch each round, 0..block_size - 1, from
   the batch's cost curve and each sequence's acceptance; a sequence it holds at AR still verifies
-  its n-gram lookup drafts where the call has free room (`free_tokens`). Either way a `draft_cut`
+  its n-gram lookup drafts where the call has free room (`free_tokens`). The policy learns the
+  costs in use: each decode call's time (`observe_call`) and each drafter call it chose
+  (`observe_draft`). Either way a `draft_cut`
   may then verify fewer of the drafter's drafts, and output is unchanged.
 - Whole prompts (`max_num_batched_tokens` None): `prefill_batch_tokens` (None: every waiting prompt
   in one round) groups the prompts a round prefills, beside the verifies: earlier admitted first,
@@ -243,7 +245,10 @@ class Scheduler:
         t0 = time.perf_counter()
         max_drafts = self._room(seq) - 1 if num_drafts is None else num_drafts
         seq.drafts, seq.from_lookup = seq.state.choose_drafts(self.target.committed(seq.request_id), max_drafts)
-        seq.state.stats.draft_s += time.perf_counter() - t0
+        draft_s = time.perf_counter() - t0
+        seq.state.stats.draft_s += draft_s
+        if num_drafts and seq.policy_state is not None and not seq.from_lookup:  # the policy's drafter call
+            self.draft_policy.observe_draft(num_drafts, draft_s)
         return seq.request_id, verify_ids(seq.state.last, seq.drafts), np.arange(len(seq.drafts) + 1)
 
     @staticmethod

@@ -82,9 +82,9 @@ def _verify(target: TargetRunner, last: int, drafts: np.ndarray, ctx_feats: np.n
             randomness: PositionRandomness, feeds_drafter: bool) -> tuple[int, int, np.ndarray]:
     start = target.committed  # `last` sits at logical position `start`, not yet in the target cache
     logits, feats = target.forward(verify_ids(last, drafts), all_logits=True)  # row i scores start+i+1
-    verdict = accept_block(drafts, logits, feats, ctx_feats, params, randomness, start, feeds_drafter)
-    target.commit(verdict[0] + 1)  # rejected slots are masked out or overwritten, never copied
-    return verdict
+    num_accepted, next_token, kept_feats = accept_block(drafts, logits, feats, params, randomness, start, feeds_drafter)
+    target.commit(num_accepted + 1)  # rejected slots are masked out or overwritten, never copied
+    return num_accepted, next_token, ctx_feats if kept_feats is None else np.concatenate([ctx_feats, kept_feats])
 
 
 def speculative_round(target: TargetRunner, drafter: DrafterRunner, last: int, ctx_feats: np.ndarray,
