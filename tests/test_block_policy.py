@@ -503,15 +503,20 @@ def test_batch_policy_drafts_less_as_the_batch_grows_on_a_compute_bound_curve():
     assert policy.choose([policy.new_sequence() for _ in range(8)], [7] * 8) == [7] * 8
 
 
-def test_batch_policy_falls_back_to_ar_for_a_bad_drafter_and_probes():
-    call_ms = [20.0 + 3.0 * t for t in range(64)]
+def bad_drafter_batch(call_ms, num_sequences):
+    """A batch policy probing every 3 AR rounds, and sequences whose every first draft was rejected."""
     policy = batch_policy(call_ms, 0.6)
     policy.explore_every = 3
-    states = [policy.new_sequence() for _ in range(2)]
+    states = [policy.new_sequence() for _ in range(num_sequences)]
     for s in states:
         s["estimate"].prior_strength = 2.0
         for _ in range(30):
-            policy.observe(s, 3, 0)  # every first draft rejected
+            policy.observe(s, 3, 0)
+    return policy, states
+
+
+def test_batch_policy_falls_back_to_ar_for_a_bad_drafter_and_probes():
+    policy, states = bad_drafter_batch([20.0 + 3.0 * t for t in range(64)], 2)
     choices = [policy.choose(states, [7, 7]) for _ in range(10)]
     assert choices[0] == [0, 0]
     probes = [i for i, ks in enumerate(choices) if ks != [0, 0]]
@@ -523,13 +528,7 @@ def test_batch_policy_probes_only_where_a_good_drafter_could_pay():
     """A bad drafter holds four sequences at AR; on a curve where every token costs an AR step's
     worth no probe could pay, so none runs; on a flat curve they still probe."""
     def probes(call_ms):
-        policy = batch_policy(call_ms, 0.6)
-        policy.explore_every = 3
-        states = [policy.new_sequence() for _ in range(4)]
-        for s in states:
-            s["estimate"].prior_strength = 2.0
-            for _ in range(30):
-                policy.observe(s, 3, 0)
+        policy, states = bad_drafter_batch(call_ms, 4)
         return sum(1 for _ in range(40) if any(policy.choose(states, [7] * 4)))
 
     assert probes([20.0 * t for t in range(1, 65)]) == 0
