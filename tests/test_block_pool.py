@@ -66,22 +66,24 @@ def test_distinct_prompts_touch_what_runs_plus_the_bound(max_idle_cached):
     assert pool.free_blocks == pool.pool_blocks and pool.num_reserved == 0
 
 
-def test_a_bound_as_large_as_the_pool_keeps_every_prefix():
-    pool, _ = make_pool(200, max_idle_cached=200)
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(1, 1000, size=3 * B + 1).tolist() for _ in range(20)]
+def pool_after_prompts(max_idle_cached: int, count: int, seed: int):
+    """A pool of 200 blocks that served `count` distinct 3-block prompts one after another."""
+    pool, _ = make_pool(200, max_idle_cached)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(1, 1000, size=3 * B + 1).tolist() for _ in range(count)]
     for i, prompt in enumerate(prompts):
         serve(pool, i, prompt, 2)
+    return pool, prompts
+
+
+def test_a_bound_as_large_as_the_pool_keeps_every_prefix():
+    pool, prompts = pool_after_prompts(200, 20, seed=1)
     assert pool.num_evicted == 0 and pool.num_touched >= 20 * 3
     assert pool.reserve("again", 3 * B + 3, prompts[0]) and pool.committed("again") == 3 * B
 
 
 def test_a_small_bound_keeps_the_latest_prefix_and_evicts_the_oldest():
-    pool, _ = make_pool(200, max_idle_cached=6)
-    rng = np.random.default_rng(2)
-    prompts = [rng.integers(1, 1000, size=3 * B + 1).tolist() for _ in range(10)]
-    for i, prompt in enumerate(prompts):
-        serve(pool, i, prompt, 2)
+    pool, prompts = pool_after_prompts(6, 10, seed=2)
     assert pool.num_evicted > 0
     assert pool.reserve("latest", 3 * B + 3, prompts[-1]) and pool.committed("latest") == 3 * B
     assert pool.reserve("oldest", 3 * B + 3, prompts[0]) and pool.committed("oldest") == 0
