@@ -460,7 +460,7 @@ class BatchDraftPolicy:
         if not 1 <= num_drafts <= self.max_drafts or seconds <= 0 or self.draft_cost_s[num_drafts] <= 0:
             return
         ratio = min(max(seconds / float(self.draft_cost_s[num_drafts]), 0.25), 8.0)
-        rate = self.cost_update_rate and max(self.cost_update_rate, 1 / (1 + self.num_draft_samples))
+        rate = max(self.cost_update_rate, 1 / (1 + self.num_draft_samples)) if self.cost_update_rate else 0.0
         self.num_draft_samples += 1
         self.draft_cost_s = self.draft_cost_s * (1 + rate * (ratio - 1))
 
