@@ -8,6 +8,7 @@ batched AR's tokens; the CLI writes its JSON and PNG.
 """
 import json
 import statistics
+import time
 
 import click
 import pytest
@@ -106,6 +107,37 @@ def test_lossless_and_ratios(setup):
     goal = result["goals"]["batch-dflash >= 1.0x best batched AR at every concurrency (worst case)"]
     assert goal["value"] == pytest.approx(worst) and goal["met"] == (worst >= 1.0)
     json.dumps(result, allow_nan=False)  # strict JSON
+
+
+def test_batch_oracle_accepts_whole_blocks_at_the_drafters_cost(setup, tiny_pair):
+    """batch-oracle@B: each sequence drafts its own greedy continuation (the real drafter called and
+    paid), so every round but a truncated last one accepts all B-1 drafts, each sequence its own
+    (the references differ), and the output is batch-ar's; the ratio is a ceiling, not a goal."""
+    _, prompts = setup
+    pipe = DFlashPipeline.from_pretrained(tiny_pair, **STRICT_F32, INFERENCE_NUM_THREADS=1)
+    real_pool = pipe.drafter_pool()
+    reference = pipe.generate_tokens
+
+    def slow_reference(*args, **kwargs):  # the references are computed outside the timed run
+        time.sleep(1.0)
+        return reference(*args, **kwargs)
+
+    pipe.generate_tokens = slow_reference
+    result = run_concurrency(pipe, prompts, [2, 3], 13, ["batch-oracle", "batch-ar"], [4, "auto"], repetitions=1,
+                             warmup=0)
+    assert all(r["wall_s"] < 1.0 for r in result["runs"])
+    assert result["modes"] == ["batch-oracle@4", "batch-ar"]
+    assert any(n.startswith("batch-oracle@auto: skipped") for n in result["notes"])
+    assert pipe.drafter_pool() is real_pool  # put back after every run
+    assert result["agreement"]["batch-oracle@4"] == {"2": 1.0, "3": 1.0}
+    for c in ("2", "3"):
+        data = result["prompt_sets"]["code"][c]
+        e = data["modes"]["batch-oracle@4"]
+        assert e["mean_acceptance_length"] > 3.0 and e["num_drafts"] > 0 and e["num_lookup_drafts"] == 0
+        assert e["profile"]["draft_ms_per_round"] > 0  # the real drafter ran
+        assert data["ratios"]["batch-oracle@4 / best batched AR, ceiling"] == pytest.approx(
+            e["tokens_per_s"] / data["modes"]["batch-ar"]["tokens_per_s"])
+    assert result["goals"] == {}  # no batch-dflash ran: the oracle is never a goal's value
 
 
 def test_parse_concurrency():

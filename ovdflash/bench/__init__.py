@@ -49,7 +49,8 @@ Contract:
   prompt; 1.0 is expected under STRICT_F32 numerics, and near-ties may flip otherwise.
 - `--concurrency 1,2,4,8` (`concurrency`): C requests at once, interleaved per repetition:
   `batch-dflash@B` (generate_batch), `batch-ar`, `genai-cb` (openvino.genai's
-  ContinuousBatchingPipeline) and `seq-dflash@B` (the C requests one after another); aggregate
+  ContinuousBatchingPipeline), `seq-dflash@B` (the C requests one after another) and
+  `batch-oracle@B` (batch-dflash with perfect drafts: the batched ceiling); aggregate
   tok/s, per-request TPOT, the cost per round, the ratios and goals (`bench_concurrency.json`).
 - With `dflash@auto`, `block_policy` records the policy's measured round costs (ms for k = 0..B-1
   drafts, steady state), its switch cost (ms) and its acceptance estimates at the end (it learns

@@ -1,13 +1,16 @@
 """`ovdflash bench --concurrency 1,2,4,8`: several requests at once, batched DFlash against batched AR.
 
 Contract:
-- Modes (`CONCURRENCY_MODES`), all greedy on the same target IR, each given the same C prompts:
+- Modes (`CONCURRENCY_MODES`; `DEFAULT_CONCURRENCY_MODES`: all but the oracle), all greedy on the
+  same target IR, each given the same C prompts:
   `batch-dflash@B` (`DFlashPipeline.generate_batch` of the C prompts at block size B, lookup drafts
   as the pipeline's default), `batch-ar` (generate_batch with draft=False), `genai-cb`
   (openvino.genai's ContinuousBatchingPipeline, autoregressive, the C prompts in one generate call,
   prefix caching off as in every genai mode of the bench, and off for ours too) and `seq-dflash@B` (our single-sequence
   DFlash, `runners.OursRunner`, over the C prompts one after another: the baseline a batch must
-  beat). A mode that cannot run here is skipped with a note.
+  beat), and `batch-oracle@B` (batch-dflash@B with every sequence's drafter replaced by
+  `modes.PerfectDrafter`: the real drafter's calls paid, the known greedy continuation proposed,
+  no lookup drafts; the batched runtime's ceiling). A mode that cannot run here is skipped with a note.
 - `run_concurrency(pipe, prompts, concurrency, max_new_tokens, modes, block_sizes, repetitions,
   warmup, genai_cb=None, progress=None)` -> the summary below plus `runs`. `prompts` maps a prompt
   set to token-id prompts; the batch of concurrency C in repetition r is prompts
@@ -27,7 +30,8 @@ Contract:
   the single-sequence target's; genai-cb counts its `step()`s (stepped here, one target inference
   each; the first prefills every request; its target time holds its host work).
 - `ratios` per C: each batch-dflash over the faster of batch-ar and genai-cb ("best batched AR"),
-  over seq-dflash at the same B, and batch-ar over genai-cb. `goals`: the three targets
+  over seq-dflash at the same B, each batch-oracle over the best batched AR (`... / best batched AR,
+  ceiling`, never a goal's value), and batch-ar over genai-cb. `goals`: the three targets
   (>= 1.0x best batched AR at every C, >= 2.0x seq-dflash at C=4, >= 1.5x batch-ar at C <= 2 on
   `code`) with the measured value (the best block size) and whether it is met. DFlash entries
   also count the drafts and accepted tokens that came from n-gram lookup (`num_lookup_*`).
@@ -54,9 +58,10 @@ import numpy as np
 from ..decode.stats import GenerationStats
 from ..pipeline import DFlashPipeline
 from .measure import CpuMeter, rotated
-from .modes import OursRunner
+from .modes import OursRunner, PerfectDrafter
 
-CONCURRENCY_MODES = ("batch-dflash", "batch-ar", "genai-cb", "seq-dflash")
+CONCURRENCY_MODES = ("batch-dflash", "batch-ar", "genai-cb", "seq-dflash", "batch-oracle")
+DEFAULT_CONCURRENCY_MODES = CONCURRENCY_MODES[:4]  # the oracle, a ceiling, runs when asked
 BATCHED_AR = ("batch-ar", "genai-cb")  # the rivals of batch-dflash; the faster one is "best batched AR"
 GOAL_SEQUENTIAL_AT = 4                 # the concurrency of the "against the same requests in a row" goal
 GOAL_CODE_AT = (1, 2)                  # the concurrencies of the "on code" goal
@@ -171,6 +176,8 @@ def _per_round(p: dict) -> dict:
 class BatchedRunner:
     """`batch-dflash@B` (block_size B) or `batch-ar` (block_size None): generate_batch of all prompts."""
 
+    prompt_lookup: bool | None = None  # None: the pipeline's default
+
     def __init__(self, pipe: DFlashPipeline, block_size: int | None):
         self.pipe, self.block_size = pipe, block_size
 
@@ -180,7 +187,8 @@ class BatchedRunner:
             t0 = time.perf_counter()
             results = self.pipe.generate_batch(prompts, max_new_tokens=max_new_tokens,
                                                block_size=self.block_size if draft else 1, draft=draft,
-                                               max_batch_size=len(prompts), prefix_cache=False)
+                                               max_batch_size=len(prompts), prefix_cache=False,
+                                               prompt_lookup=self.prompt_lookup)
             wall = time.perf_counter() - t0
         stats = GenerationStats()
         for r in results:
@@ -189,6 +197,53 @@ class BatchedRunner:
         profile = meter.profile(stats.draft_s, wall, sum(len(t) for t in tokens), len(tokens))
         profile["num_steps"], profile["num_batched_tokens"] = meter.calls, meter.tokens
         return tokens, wall, [r.stats.ttft_s for r in results], [r.stats.tpot_s for r in results], profile, stats
+
+
+class OracleDrafterPool:
+    """The pipeline's drafter pool with each drafter taken wrapped in a `PerfectDrafter` that knows
+    the next reference in admission order (the scheduler admits the prompts in order)."""
+
+    def __init__(self, pool, sequences: list[list[int]], pad_token_id: int):
+        self.pool, self.sequences, self.pad_token_id = pool, sequences, pad_token_id
+        self.num_taken = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    def take(self) -> PerfectDrafter:
+        drafter = PerfectDrafter(self.pool.take(), self.pad_token_id)
+        drafter.sequence = self.sequences[self.num_taken]
+        self.num_taken += 1
+        return drafter
+
+    def give(self, drafter: PerfectDrafter) -> None:
+        self.pool.give(drafter.drafter)
+
+
+class BatchedOracleRunner(BatchedRunner):
+    """`batch-oracle@B`: generate_batch at block size B, every sequence drafting its own greedy
+    continuation (computed once per prompt, outside the timed run) at the real drafter's cost."""
+
+    prompt_lookup = False  # only the perfect drafter drafts
+
+    def __init__(self, pipe: DFlashPipeline, block_size: int):
+        super().__init__(pipe, block_size)
+        self.references: dict[tuple, list[int]] = {}
+
+    def __call__(self, prompts: list[list[int]], max_new_tokens: int):
+        for ids in prompts:
+            key = (tuple(ids), max_new_tokens)
+            if key not in self.references:
+                self.references[key] = [e.token for e in self.pipe.generate_tokens(ids, max_new_tokens, draft=False)]
+        pool = self.pipe.drafter_pool()
+        self.pipe._batch.drafter_pool = OracleDrafterPool(
+            pool, [list(ids) + self.references[(tuple(ids), max_new_tokens)] for ids in prompts],
+            self.pipe.mask_token_id or 0)
+        try:
+            return super().__call__(prompts, max_new_tokens)
+        finally:
+            self.pipe._batch.drafter_pool = pool
 
 
 class SequentialRunner:
@@ -269,11 +324,17 @@ def build_concurrency_runners(pipe: DFlashPipeline, modes: list[str], block_size
     for mode in modes:
         if mode not in CONCURRENCY_MODES:
             raise click.ClickException(f"unknown concurrency mode {mode!r} (choose from {', '.join(CONCURRENCY_MODES)})")
-        if mode in ("batch-dflash", "seq-dflash"):
+        if mode in ("batch-dflash", "seq-dflash", "batch-oracle"):
             if pipe.drafter is None:
                 notes.append(f"{mode}: skipped, the model has no drafter")
                 continue
             for b in block_sizes:
+                if mode == "batch-oracle":
+                    if b == "auto":
+                        notes.append("batch-oracle@auto: skipped, the oracle runs fixed block sizes only")
+                    else:
+                        runners[f"{mode}@{b}"] = BatchedOracleRunner(pipe, b)
+                    continue
                 if mode == "batch-dflash" and b == "auto":
                     try:  # generate_batch may not choose drafts by itself: ask it with one token
                         pipe.generate_batch([[pipe.eos_token_ids[0] if pipe.eos_token_ids else 0]], max_new_tokens=1,
@@ -364,7 +425,7 @@ def summarize_concurrency(runs: list[BatchRun], names: list[str], prompt_sets: l
                     for k in ("num_steps", "num_batched_tokens"):
                         if k in pooled:
                             entry["profile"][k] = pooled[k]
-                if rs[0].spec is not None and "dflash" in name:
+                if rs[0].spec is not None and ("dflash" in name or "oracle" in name):
                     spec = GenerationStats()
                     for r in rs:
                         spec.merge(r.spec)
@@ -396,6 +457,8 @@ def _ratios(per_mode: dict) -> dict:
             seq = "seq-dflash@" + name.split("@", 1)[1]
             if tps.get(seq):
                 out[f"{name} / {seq}"] = value / tps[seq]
+        elif name.startswith("batch-oracle@") and best:
+            out[f"{name} / best batched AR, ceiling"] = value / best
     if tps.get("batch-ar") and tps.get("genai-cb"):
         out["batch-ar / genai-cb"] = tps["batch-ar"] / tps["genai-cb"]
     return out
@@ -403,7 +466,7 @@ def _ratios(per_mode: dict) -> dict:
 
 def _best_ratio(ratios: dict, suffix: str) -> float | None:
     """The best block size's ratio among keys 'batch-dflash@B / <suffix>' (suffix may end in '@')."""
-    values = [v for k, v in ratios.items() if k.split(" / ", 1)[1].startswith(suffix)]
+    values = [v for k, v in ratios.items() if k.startswith("batch-dflash@") and k.split(" / ", 1)[1].startswith(suffix)]
     return max(values) if values else None
 
 

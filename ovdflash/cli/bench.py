@@ -84,7 +84,8 @@ def run_progress(console):
                    "or stateful (the exported IR's KV states); default: the model directory's choice")
 @click.option("--concurrency", default=None,
               help="comma-separated numbers of concurrent requests, e.g. 1,2,4,8: benchmark batched DFlash "
-                   "(modes batch-dflash, batch-ar, genai-cb, seq-dflash; block size default: the manifest's) "
+                   "(modes batch-dflash, batch-ar, genai-cb, seq-dflash, and batch-oracle when named; block size default: "
+                   "the manifest's) "
                    "and write bench_concurrency.json instead")
 @click.option("--wide-target/--no-wide-target", default=None,
               help="our modes: the f32-weight copy of an fp16 target for wide calls (default: where memory allows)")
@@ -112,12 +113,12 @@ def bench(model_dir, prompt_sets, num_prompts, max_new_tokens, modes, block_size
         status.print(f"bench: compiling the modes of {model_dir} and warming up", markup=False, highlight=False,
                      soft_wrap=True)
     if concurrency is not None:
-        from ..bench.concurrency import CONCURRENCY_MODES, concurrency_command, parse_concurrency
+        from ..bench.concurrency import DEFAULT_CONCURRENCY_MODES, concurrency_command, parse_concurrency
 
         given = click.get_current_context().get_parameter_source
         with run_progress(status) as progress:
             concurrency_command(model_dir, parse_concurrency(concurrency), sets, num_prompts, max_new_tokens,
-                                list(CONCURRENCY_MODES) if given("modes").name == "DEFAULT"
+                                list(DEFAULT_CONCURRENCY_MODES) if given("modes").name == "DEFAULT"
                                 else [m for m in modes.split(",") if m],
                                 None if given("block_sizes").name == "DEFAULT" else parse_block_sizes(block_sizes),
                                 repetitions, warmup, out_dir, config, target_runner, console, progress, wide_target)
