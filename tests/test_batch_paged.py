@@ -101,3 +101,11 @@ def test_load_aware_batch_equals_generate_alone(pipe):
     target = pipe.batch_target()
     # calibration gave its blocks back
     assert target.num_reserved == 0 and len(target.free) + len(target.evictable) == target.num_blocks
+
+
+def test_batching_another_runner_is_one_line_naming_the_fix(tiny_pair, tmp_path):
+    stateful = DFlashPipeline.from_pretrained(tiny_pair, target_runner="stateful", cache_dir=tmp_path,
+                                              INFERENCE_NUM_THREADS=1, **STRICT_F32)
+    with pytest.raises(ValueError, match="has 'stateful'.*--target-runner paged") as info:
+        stateful.generate_batch([[5, 6, 7]], max_new_tokens=2)
+    assert "\n" not in str(info.value)

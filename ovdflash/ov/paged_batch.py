@@ -276,7 +276,8 @@ def paged_compiled(target) -> ov.CompiledModel:
     """A pipeline's single-sequence target's compiled paged model; a ValueError for any other runner."""
     if not isinstance(target, OVPagedTarget) or target.logits_out is None:
         raise ValueError(f"batched generation needs the paged target runner, this pipeline has "
-                         f"{getattr(target, 'kind', type(target).__name__)!r}")
+                         f"{getattr(target, 'kind', type(target).__name__)!r} (load it with target_runner=\"paged\", "
+                         "on the command line --target-runner paged)")
     return target.compiled
 
 
