@@ -6,7 +6,7 @@ Contract:
   `batch-dflash@B` (`DFlashPipeline.generate_batch` of the C prompts at block size B, lookup drafts
   as the pipeline's default), `batch-ar` (generate_batch with draft=False), `genai-cb`
   (openvino.genai's ContinuousBatchingPipeline, autoregressive, the C prompts in one generate call,
-  prefix caching off as in every genai mode of the bench, and off for ours too) and `seq-dflash@B` (our single-sequence
+  prefix caching off as in every genai mode of the bench, and off for ours too), `seq-dflash@B` (our single-sequence
   DFlash, `runners.OursRunner`, over the C prompts one after another: the baseline a batch must
   beat), and `batch-oracle@B` (batch-dflash@B with every sequence's drafter replaced by
   `modes.PerfectDrafter`: the real drafter's calls paid, the known greedy continuation proposed,
@@ -237,6 +237,7 @@ class BatchedOracleRunner(BatchedRunner):
             if key not in self.references:
                 self.references[key] = [e.token for e in self.pipe.generate_tokens(ids, max_new_tokens, draft=False)]
         pool = self.pipe.drafter_pool()
+        # generate_batch takes its drafters from the pipeline's pool: swapped for this run only
         self.pipe._batch.drafter_pool = OracleDrafterPool(
             pool, [list(ids) + self.references[(tuple(ids), max_new_tokens)] for ids in prompts],
             self.pipe.mask_token_id or 0)
@@ -466,7 +467,8 @@ def _ratios(per_mode: dict) -> dict:
 
 def _best_ratio(ratios: dict, suffix: str) -> float | None:
     """The best block size's ratio among keys 'batch-dflash@B / <suffix>' (suffix may end in '@')."""
-    values = [v for k, v in ratios.items() if k.startswith("batch-dflash@") and k.split(" / ", 1)[1].startswith(suffix)]
+    values = [v for k, v in ratios.items()
+              if k.startswith("batch-dflash@") and k.split(" / ", 1)[1].startswith(suffix)]
     return max(values) if values else None
 
 
