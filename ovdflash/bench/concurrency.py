@@ -58,7 +58,7 @@ import numpy as np
 from ..decode.stats import GenerationStats
 from ..pipeline import DFlashPipeline
 from .measure import CpuMeter, rotated
-from .modes import OursRunner, PerfectDrafter
+from .modes import GreedyReferences, OursRunner, PerfectDrafter
 
 CONCURRENCY_MODES = ("batch-dflash", "batch-ar", "genai-cb", "seq-dflash", "batch-oracle")
 DEFAULT_CONCURRENCY_MODES = CONCURRENCY_MODES[:4]  # the oracle, a ceiling, runs when asked
@@ -207,10 +207,6 @@ class OracleDrafterPool:
         self.pool, self.sequences, self.pad_token_id = pool, sequences, pad_token_id
         self.num_taken = 0
 
-    @property
-    def block_size(self) -> int:
-        return self.pool.block_size
-
     def take(self) -> PerfectDrafter:
         drafter = PerfectDrafter(self.pool.take(), self.pad_token_id)
         drafter.sequence = self.sequences[self.num_taken]
@@ -229,18 +225,13 @@ class BatchedOracleRunner(BatchedRunner):
 
     def __init__(self, pipe: DFlashPipeline, block_size: int):
         super().__init__(pipe, block_size)
-        self.references: dict[tuple, list[int]] = {}
+        self.references = GreedyReferences(pipe)
 
     def __call__(self, prompts: list[list[int]], max_new_tokens: int):
-        for ids in prompts:
-            key = (tuple(ids), max_new_tokens)
-            if key not in self.references:
-                self.references[key] = [e.token for e in self.pipe.generate_tokens(ids, max_new_tokens, draft=False)]
+        sequences = [self.references(ids, max_new_tokens) for ids in prompts]
         pool = self.pipe.drafter_pool()
         # generate_batch takes its drafters from the pipeline's pool: swapped for this run only
-        self.pipe._batch.drafter_pool = OracleDrafterPool(
-            pool, [list(ids) + self.references[(tuple(ids), max_new_tokens)] for ids in prompts],
-            self.pipe.mask_token_id or 0)
+        self.pipe._batch.drafter_pool = OracleDrafterPool(pool, sequences, self.pipe.mask_token_id or 0)
         try:
             return super().__call__(prompts, max_new_tokens)
         finally:

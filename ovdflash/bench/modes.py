@@ -59,23 +59,34 @@ class PerfectDrafter:
         return np.array(known + [self.pad_token_id] * (num_drafts - len(known)), dtype=np.int64)
 
 
+class GreedyReferences:
+    """What a perfect drafter knows: a prompt followed by the pipeline's greedy AR continuation,
+    computed once per (prompt, max_new_tokens) and outside any timed run."""
+
+    def __init__(self, pipe: DFlashPipeline):
+        self.pipe = pipe
+        self.continuations: dict[tuple, list[int]] = {}
+
+    def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in self.continuations:
+            self.continuations[key] = [e.token for e in self.pipe.generate_tokens(
+                prompt_ids, max_new_tokens, draft=False, stats=GenerationStats())]
+        return list(prompt_ids) + self.continuations[key]
+
+
 class OracleRunner:
     """`oracle@B`: this pipeline at block size B with `PerfectDrafter` (the runtime's ceiling)."""
 
     def __init__(self, pipe: DFlashPipeline, block_size: int):
-        self.reference_pipe = pipe
+        self.references = GreedyReferences(pipe)
         self.drafter = PerfectDrafter(pipe.drafter, pipe.mask_token_id or 0)
         self.pipe = DFlashPipeline(pipe.target, self.drafter, pipe.tokenizer, pipe.eos_token_ids, pipe.block_size,
                                    pipe.mask_token_id, pipe.model_dir, pipe.bos_token_id)
         self.runner = OursRunner(self.pipe, block_size, prompt_lookup=False)  # only the perfect drafter
-        self.references: dict[tuple, list[int]] = {}
 
     def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float, GenerationStats]:
-        key = (tuple(prompt_ids), max_new_tokens)
-        if key not in self.references:  # untimed: the continuation a perfect drafter would know
-            self.references[key] = [e.token for e in self.reference_pipe.generate_tokens(
-                prompt_ids, max_new_tokens, draft=False, stats=GenerationStats())]
-        self.drafter.sequence = list(prompt_ids) + self.references[key]
+        self.drafter.sequence = self.references(prompt_ids, max_new_tokens)
         return self.runner(prompt_ids, max_new_tokens)
 
 
