@@ -11,6 +11,10 @@ Contract:
 - `check_structured(tokenizer, spec, vocab_size, eos_token_ids)`: the same compilation without keeping
   the matcher; a JSON schema, regex or grammar llguidance refuses is a ValueError of one line that
   names the spec's field (`structured json: ...`). Both raise ValueError when llguidance is missing.
+- `special_tokens_among(tokenizer, texts, vocab_size, eos_token_ids) -> frozenset[str]`: those of `texts` that
+  are one token llguidance treats as special (the tokenizer's added tokens, such as Qwen's `<tool_call>`).
+  A grammar names them as `<text>`: llguidance never matches such a token against a quoted literal, though
+  its mask may allow it there. Empty when llguidance is missing (compiling then says so).
 - `LLGuidanceMatcher(matcher, vocab_size)`: `decode.structured.GrammarMatcher` over `llguidance.LLMatcher`;
   `consume` uses llguidance's try-consume, so a forbidden token never puts the matcher in its
   (permanent) error state, and `rollback` is llguidance's own.
@@ -78,6 +82,15 @@ def _first_line(error) -> str:
     # llguidance's regex errors put the cause on a later line: keep the line that says "error:"
     cause = next((line for line in lines[1:] if line.startswith("error:")), None)
     return f"{lines[0]} ({cause})" if cause else (lines[0] if lines else "invalid")
+
+
+def special_tokens_among(tokenizer: Tokenizer, texts, vocab_size: int | None, eos_token_ids) -> frozenset[str]:
+    try:
+        ll_tokenizer = _ll_tokenizer(tokenizer, vocab_size or tokenizer.vocab_size, tuple(int(t) for t in eos_token_ids))
+    except ValueError:
+        return frozenset()
+    ids = {text: tokenizer.token_to_id(text) for text in texts}
+    return frozenset(text for text, i in ids.items() if i is not None and ll_tokenizer.is_special_token(i))
 
 
 def check_structured(tokenizer: Tokenizer, spec, vocab_size: int | None, eos_token_ids) -> StructuredSpec:

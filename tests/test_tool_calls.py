@@ -21,7 +21,8 @@ rendered into the prompt; tool_choice "none" renders without parsing, "required"
 400 naming tool_choice where they cannot be held (an unknown name, with response_format); a Llama-3 template
 reads JSON replies. The qwen3_xml call grammar takes calls of the offered functions with their parameters
 (required ones present, values of their schema's kind) and refuses the rest; what it takes parses to the
-call. On the real tiny pair with a Qwen-style template: the tools reach the prompt (/tokenize,
+call. Where the tokenizer has `<tool_call>` as one added token, the call grammars (hermes, qwen3_xml) take
+that token, and every token their mask allows on the way is one they take. On the real tiny pair with a Qwen-style template: the tools reach the prompt (/tokenize,
 usage.prompt_tokens) and the reply is the pipeline's own greedy text for that prompt, parsed; with the tiny pair's plain ChatML template (no tool format) tools are
 a 400 unless tool_choice is "none"; tools, earlier calls and tool results render exactly as transformers'
 apply_chat_template(tools=...) renders them; `ovdflash serve` prints the detected format at start-up.
@@ -737,6 +738,52 @@ def test_the_qwen3_xml_call_grammar_holds_names_parameters_and_values(text, argu
     assert taken == (arguments is not None), text
     if arguments is not None:
         assert calls_of(parse_reply(new_parser("qwen3_xml", XML_TOOLS), text)) == [arguments]
+
+
+@functools.lru_cache(maxsize=1)
+def tag_token_tokenizer():
+    """The tiny tokenizer with `<tool_call>` and `</tool_call>` added as one token each, as Qwen's tokenizers have them."""
+    from tokenizers import AddedToken
+
+    from ovdflash.tokenizer import Tokenizer
+
+    tokenizer = xml_tokenizer().tokenizer.__class__.from_str(xml_tokenizer().tokenizer.to_str())
+    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in ("<tool_call>", "</tool_call>")])
+    return Tokenizer(tokenizer, eos_token="<|im_end|>")
+
+
+@pytest.mark.parametrize("tool_format,text", [
+    ("hermes", hermes_call("get_weather", {"city": "Oslo", "days": 3})),
+    ("qwen3_xml", xml_call("get_weather", ("city", "Oslo"), ("days", "3"))),
+])
+def test_a_call_grammar_writes_the_tags_as_the_tokenizer_has_them(tool_format, text):
+    """Where `<tool_call>` is one added token, the grammar takes that token, and every token its mask allows on
+    the way is one it takes (llguidance's mask allows the tag token at a quoted "<tool_call>" it then refuses)."""
+    pytest.importorskip("llguidance")
+    import numpy as np
+
+    from ovdflash.grammar import grammar_state, special_tokens_among
+    from ovdflash.server.tool_calls import CLOSE_TAG, OPEN_TAG, call_grammar
+
+    tools = XML_TOOLS if tool_format == "qwen3_xml" else SCHEMAS
+    for tokenizer, tags in ((xml_tokenizer(), frozenset()), (tag_token_tokenizer(), {OPEN_TAG, CLOSE_TAG})):
+        eos = tokenizer.tokenizer.token_to_id("<|im_end|>")
+        vocab = tokenizer.vocab_size
+        special = special_tokens_among(tokenizer, (OPEN_TAG, CLOSE_TAG), vocab, [eos])
+        assert special == tags
+        ids = tokenizer.encode(text)
+        assert (tokenizer.token_to_id(OPEN_TAG) in ids) == bool(tags)
+        matcher = grammar_state(tokenizer, {"grammar": call_grammar(tool_format, tools, special)}, vocab, [eos]).matcher
+        for i, token in enumerate(ids):
+            allowed = np.flatnonzero(matcher.allowed())
+            assert token in allowed, (tokenizer.decode(ids[:i], skip_special_tokens=False), token)
+            for other in allowed:
+                assert matcher.consume([int(other)]) == 1, (i, int(other))
+                matcher.rollback(1)
+            assert matcher.consume([token]) == 1
+        assert matcher.stopped
+        assert calls_of(parse_reply(new_parser(tool_format, tools), tokenizer.decode(ids))) == \
+            calls_of(parse_reply(new_parser(tool_format, tools), text))
 
 
 def test_a_llama3_template_reads_json_replies():

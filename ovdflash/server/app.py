@@ -77,7 +77,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..decode.stats import GenerationStats
-from ..grammar import check_structured
+from ..grammar import check_structured, special_tokens_among
 from . import protocol, tool_calls
 from .engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestParams
 from .protocol import ApiError, bad_request
@@ -267,7 +267,9 @@ class _Api:
         if requested is not None:
             raise bad_request(f"tool_choice holds the reply to a tool call: it cannot be combined with "
                               f"{requested[1].split('.')[0]}", param="tool_choice")
-        grammar = tool_calls.call_grammar(self.tool_format, forced_tools) if self.tool_format else None
+        special = special_tokens_among(self.pipeline.tokenizer, (tool_calls.OPEN_TAG, tool_calls.CLOSE_TAG),
+                                       self.vocab_size, self.pipeline.eos_token_ids) if self.tool_format else ()
+        grammar = tool_calls.call_grammar(self.tool_format, forced_tools, special) if self.tool_format else None
         if grammar is None:
             raise bad_request(f"tool_choice \"required\" or naming a function is held to a grammar only for the "
                               f"hermes, qwen3_xml and llama3_json tool-call formats; this model's is "

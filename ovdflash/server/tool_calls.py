@@ -32,10 +32,12 @@ Contract:
 - Whitespace between content and a call, between calls and after the last call is layout, not content;
   `ParsedReply.content` is None when a reply holds calls and nothing else. parallel False: only the first
   call is returned, later ones are dropped.
-- `call_grammar(format, tools) -> str | None`: a Lark grammar (llguidance's syntax) whose only sentences are
-  one call, in `format`'s layout, of one of `tools` (name -> JSON-schema parameters); what tool_choice
+- `call_grammar(format, tools, special=()) -> str | None`: a Lark grammar (llguidance's syntax) whose only sentences
+  are one call, in `format`'s layout, of one of `tools` (name -> JSON-schema parameters); what tool_choice
   "required" or a named function holds the reply to, and its reply parses to that call (None for an unknown
-  format). hermes and llama3_json: the call is `%json`, arguments valid against the tool's schema, laid out
+  format). The tags in `special` (`<tool_call>`, `</tool_call>` where the tokenizer has them as one special
+  token, `grammar.special_tokens_among`) are that token, as the tokenizer writes them; the others are text.
+  hermes and llama3_json: the call is `%json`, arguments valid against the tool's schema, laid out
   as json.dumps writes it (as templates render calls). qwen3_xml: `<function=NAME>` one of the tools, then
   the schema's properties in the schema's order, each `<parameter=KEY>\nVALUE\n</parameter>\n`, required
   ones always, the others optional, no others; a value is one of its enum / const members when the schema
@@ -96,10 +98,13 @@ class ToolCallParser(Protocol):
     def finish(self) -> list[Event]: ...
 
 
-def call_grammar(tool_format: str, tools: dict[str, dict]) -> str | None:
+def call_grammar(tool_format: str, tools: dict[str, dict], special=()) -> str | None:
     """The grammar of one well-formed call of one of `tools` (module contract)."""
+    # llguidance matches a special token only where the grammar names it, never inside a quoted literal
+    call_open = f"{OPEN_TAG} {json.dumps(NEWLINE)}" if OPEN_TAG in special else json.dumps(OPEN_TAG + NEWLINE)
+    call_close = f"{json.dumps(NEWLINE)} {CLOSE_TAG}" if CLOSE_TAG in special else json.dumps(NEWLINE + CLOSE_TAG)
     if tool_format == "qwen3_xml":
-        return _qwen3_xml_grammar(tools)
+        return _qwen3_xml_grammar(tools, call_open, call_close)
     arguments_key = {"hermes": "arguments", "llama3_json": "parameters"}.get(tool_format)
     if arguments_key is None:
         return None
@@ -109,7 +114,7 @@ def call_grammar(tool_format: str, tools: dict[str, dict]) -> str | None:
              for name, parameters in tools.items()]
     call = f"call: %json {json.dumps({'x-guidance': _JSON_LAYOUT, 'anyOf': calls})}"
     if tool_format == "hermes":
-        return f'start: "{OPEN_TAG}\\n" call "\\n{CLOSE_TAG}"\n{call}'
+        return f"start: {call_open} call {call_close}\n{call}"
     return f"start: call\n{call}"
 
 
@@ -117,7 +122,7 @@ def call_grammar(tool_format: str, tools: dict[str, dict]) -> str | None:
 _JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
 
-def _qwen3_xml_grammar(tools: dict[str, dict]) -> str:
+def _qwen3_xml_grammar(tools: dict[str, dict], call_open: str, call_close: str) -> str:
     """`<tool_call>\n<function=NAME>\n` the parameters `</function>\n</tool_call>` (module contract)."""
     rules, functions = [], []
     for f, (name, parameters) in enumerate(tools.items()):
@@ -133,7 +138,6 @@ def _qwen3_xml_grammar(tools: dict[str, dict]) -> str:
         functions.append(f"f{f}")
         opening = json.dumps(f"<function={name}>\n")
         rules.append(f"f{f}: {opening} {' '.join(items)} \"</function>\"")
-    call_open, call_close = json.dumps(f"{OPEN_TAG}\n"), json.dumps(f"\n{CLOSE_TAG}")
     return "\n".join([f"start: {call_open} ({' | '.join(functions)}) {call_close}"] + rules)
 
 
