@@ -86,7 +86,8 @@ def _first_line(error) -> str:
 
 def special_tokens_among(tokenizer: Tokenizer, texts, vocab_size: int | None, eos_token_ids) -> frozenset[str]:
     try:
-        ll_tokenizer = _ll_tokenizer(tokenizer, vocab_size or tokenizer.vocab_size, tuple(int(t) for t in eos_token_ids))
+        eos = tuple(int(t) for t in eos_token_ids)
+        ll_tokenizer = _ll_tokenizer(tokenizer, vocab_size or tokenizer.vocab_size, eos)
     except ValueError:
         return frozenset()
     ids = {text: tokenizer.token_to_id(text) for text in texts}

@@ -22,9 +22,10 @@ rendered into the prompt; tool_choice "none" renders without parsing, "required"
 reads JSON replies. The qwen3_xml call grammar takes calls of the offered functions with their parameters
 (required ones present, values of their schema's kind) and refuses the rest; what it takes parses to the
 call. Where the tokenizer has `<tool_call>` as one added token, the call grammars (hermes, qwen3_xml) take
-that token, and every token their mask allows on the way is one they take. On the real tiny pair with a Qwen-style template: the tools reach the prompt (/tokenize,
-usage.prompt_tokens) and the reply is the pipeline's own greedy text for that prompt, parsed; with the tiny pair's plain ChatML template (no tool format) tools are
-a 400 unless tool_choice is "none"; tools, earlier calls and tool results render exactly as transformers'
+that token, and every token their mask allows on the way is one they take. On the real tiny pair with a
+Qwen-style template: the tools reach the prompt (/tokenize, usage.prompt_tokens) and the reply is the
+pipeline's own greedy text for that prompt, parsed; with the tiny pair's plain ChatML template (no tool
+format) tools are a 400 unless tool_choice is "none"; tools, earlier calls and tool results render exactly as transformers'
 apply_chat_template(tools=...) renders them; `ovdflash serve` prints the detected format at start-up.
 """
 import functools
@@ -742,7 +743,7 @@ def test_the_qwen3_xml_call_grammar_holds_names_parameters_and_values(text, argu
 
 @functools.lru_cache(maxsize=1)
 def tag_token_tokenizer():
-    """The tiny tokenizer with `<tool_call>` and `</tool_call>` added as one token each, as Qwen's tokenizers have them."""
+    """The tiny tokenizer with `<tool_call>` and `</tool_call>` added as one token each, as Qwen's have them."""
     from tokenizers import AddedToken
 
     from ovdflash.tokenizer import Tokenizer
