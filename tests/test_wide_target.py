@@ -278,3 +278,20 @@ def test_a_changed_target_file_replaces_its_old_copy_and_leaves_other_targets_co
     assert new_a != old_a and new_a.is_file() and not old_a.parent.exists()
     assert copy_b.is_file()
     assert sorted(p.name for p in (cache / "wide").iterdir()) == sorted([new_a.parent.name, copy_b.parent.name])
+
+
+def test_writing_a_copy_removes_the_copies_of_deleted_targets(fp16_pair, tmp_path):
+    import shutil
+
+    from ovdflash.ov import wide_target
+
+    pair_a, pair_b = tmp_path / "a", tmp_path / "b"
+    for pair in (pair_a, pair_b):
+        shutil.copytree(fp16_pair / "target", pair / "target")
+    cache = tmp_path / "cache"
+    copy_a = wide_target.f32_weights_ir(pair_a / "target" / "openvino_model.xml", cache)
+    writing = cache / "wide" / ".writing-elsewhere"  # another process's copy being written: no source yet
+    writing.mkdir()
+    shutil.rmtree(pair_a)
+    copy_b = wide_target.f32_weights_ir(pair_b / "target" / "openvino_model.xml", cache)
+    assert copy_b.is_file() and not copy_a.parent.exists() and writing.is_dir()

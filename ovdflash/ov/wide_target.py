@@ -12,8 +12,8 @@ Contract:
   (keyed by the files' size and mtime) under cache_dir/wide, by a child process, so the converting
   process's memory never joins the caller's; the caller maps it like any IR, and its pages can be
   released after the first calls (ovdflash.ov.memory). cache_dir None: a directory removed at exit.
-  Writing a copy removes the copies of earlier versions of the same target file (a re-export), so
-  the cache holds one copy per target path.
+  Writing a copy removes the copies of earlier versions of the same target file (a re-export) and
+  those whose target file is gone, so the cache holds one copy per existing target path.
 - `cached_wide_from(wide_xml, host)` -> (found, wide_from) and `store_wide_from(wide_xml, host, wide_from)`:
   the calibration's result (an int, or None for "the copy never pays") per host key, in
   `calibration.json` beside the copy's IR, so a later load on the same host, threads and openvino skips
@@ -77,8 +77,10 @@ def f32_weights_ir(target_xml: Path, cache_dir: str | Path | None = None) -> Pat
                 raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for other in root.iterdir():  # copies of earlier versions of the same file are stale
-        if other != out.parent and _source_of(other) == source:
+    for other in root.iterdir():  # copies of earlier versions of the same file, or of deleted files, are stale
+        other_source = _source_of(other)
+        if other != out.parent and other_source is not None and (other_source == source
+                                                                 or not Path(other_source).is_file()):
             shutil.rmtree(other, ignore_errors=True)
     return out
 
