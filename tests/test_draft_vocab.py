@@ -8,6 +8,10 @@
 - A model directory with `drafter/draft_vocab.json` still decodes greedily identical to AR
   (the target verifies every draft), every draft lies in the vocabulary, and
   `use_draft_vocab=False` brings the full head back.
+- Without a draft vocabulary, a whole fp16 head is applied in int8 (`graphs.with_int8_head`): the drafts
+  equal a numpy reference (the hidden state times the per-row quantized weight), the plugin runs that
+  head on int8 weights, the fp32 target or a draft vocabulary keeps its head as it was, and greedy DFlash
+  still equals AR.
 - `export_pair` copies a checkpoint's `draft_vocab.json` (sorted, deduplicated), records
   `draft_vocab_size`, and refuses ids outside the target's vocabulary before converting.
 """
@@ -20,7 +24,8 @@ import openvino.opset13 as ops
 import pytest
 
 from ovdflash import STRICT_F32, DFlashPipeline
-from ovdflash.ov.graphs import _slice_rows, drafter_for_runtime, find_embedding_gather, find_lm_head, read_draft_vocab
+from ovdflash.ov.graphs import (_slice_rows, drafter_for_runtime, find_embedding_gather, find_lm_head, read_draft_vocab,
+                                with_int8_head)
 
 
 def drafter_feed(manifest, num_ctx, rng):
@@ -58,6 +63,49 @@ def test_draft_tokens_are_the_argmax_restricted_to_the_draft_vocab(tiny_pair):
         # the restriction must matter for this check to mean anything: the full argmax differs somewhere
         if trial == 0:
             assert not np.array_equal(np.argmax(logits, axis=-1), expected)
+
+
+def test_a_whole_fp16_head_is_applied_in_int8_rows(export_tiny_pair, tiny_pair):
+    fp16_pair = export_tiny_pair(target_weight_format="fp16")
+    core = ov.Core()
+    manifest = json.loads((fp16_pair / "manifest.json").read_text())
+    target = core.read_model(fp16_pair / "target/openvino_model.xml")
+    head = find_lm_head(target).input_value(1).get_node().input_value(0).get_node().get_data().astype(np.float32)
+    scale = np.abs(head).max(axis=1, keepdims=True) / 127
+    int8_head = np.clip(np.rint(head / scale), -127, 127) * scale
+    embed = find_embedding_gather(target).input_value(0).get_node().input_value(0).get_node().get_data()
+    drafter = drafter_for_runtime(core.read_model(fp16_pair / "drafter/openvino_model.xml"), target)
+    assert with_int8_head(drafter, target)
+    compiled = core.compile_model(drafter, "CPU", STRICT_F32)
+    head_precisions = {op.get_rt_info()["runtimePrecision"].astype(str) for op in compiled.get_runtime_model().get_ops()
+                       if op.get_rt_info()["layerType"].astype(str) == "FullyConnected"
+                       and op.get_output_partial_shape(0)[-1].get_length() == head.shape[0]}
+    assert head_precisions == {"i8"}
+    plain = core.compile_model(core.read_model(fp16_pair / "drafter/openvino_model.xml"), "CPU", STRICT_F32)
+    bs, mask = manifest["block_size"], manifest["mask_token_id"]
+    block = np.array([[5] + [mask] * (bs - 1)], np.int64)
+    rng = np.random.default_rng(2)
+    for trial in range(4):
+        feed = drafter_feed(manifest, 3 + trial, rng)
+        hidden = plain.create_infer_request().infer({**feed, "inputs_embeds": embed[block].astype(np.float32)})
+        logits = hidden["last_hidden_state"][0] @ int8_head.T
+        got = compiled.create_infer_request().infer({**feed, "input_ids": block})["draft_tokens"][0]
+        np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+    # the fp32 target's head, and a draft vocabulary's rows, stay as they were
+    fp32_target = core.read_model(tiny_pair / "target/openvino_model.xml")
+    assert not with_int8_head(drafter_for_runtime(core.read_model(tiny_pair / "drafter/openvino_model.xml"),
+                                                  fp32_target), fp32_target)
+    assert not with_int8_head(drafter_for_runtime(core.read_model(fp16_pair / "drafter/openvino_model.xml"), target,
+                                                  np.arange(50)), target)
+    # lossless: the target verifies every draft
+    pipe = DFlashPipeline.from_pretrained(fp16_pair, **STRICT_F32)
+    prompt = [3, 17, 42, 9, 100, 7]
+    for block_size in (2, 4):
+        assert pipe.generate(prompt, max_new_tokens=24, block_size=block_size).token_ids == \
+            pipe.generate(prompt, max_new_tokens=24, draft=False).token_ids
+    assert {op.get_rt_info()["runtimePrecision"].astype(str) for op in pipe.drafter.compiled.get_runtime_model().get_ops()
+            if op.get_rt_info()["layerType"].astype(str) == "FullyConnected"
+            and op.get_output_partial_shape(0)[-1].get_length() == head.shape[0]} == {"i8"}
 
 
 def test_slice_rows_keeps_a_compressed_weight_compressed():

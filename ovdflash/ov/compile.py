@@ -10,7 +10,8 @@ Contract:
   under `config` (a key set in `config` wins), and every model compiled for the CPU `cpu_defaults`
   (a bounded runtime cache, and oneDNN's primitive cache bounded through its environment variable
   unless the environment sets it). When `drafter/draft_vocab.json` exists (and `use_draft_vocab`), the
-  drafter's head is restricted to that draft vocabulary.
+  drafter's head is restricted to that draft vocabulary; otherwise a whole fp16 head is applied in int8
+  (`graphs.with_int8_head`) and the drafter gets `INT8_HEAD_DRAFTER_DEFAULTS` instead.
 - `compile_runners(..., target_runner=)` picks the target runner (`ovdflash.TARGET_RUNNERS`):
   "paged" (the default) applies openvino's paged-attention transformation before the runtime
   graph edits (`runtime_target_graph`) and returns an `OVPagedTarget`, with an f32-weight copy
@@ -39,6 +40,9 @@ from .runners import OVDrafter, OVTarget, kv_seq_axes
 # drafter, 2 cores, 300-token context: 2.78 against 3.11 ms a call with 1 draft, 3.38 against 3.60
 # with 3). Only the proposals can change, never the output: the target verifies every draft.
 DRAFTER_DEFAULTS = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
+# A drafter with the whole vocabulary's head in int8 (graphs.with_int8_head): the head dominates, and
+# quantizing its few rows of activations halves its time (docs/BENCHMARKS.md, "Drafter head").
+INT8_HEAD_DRAFTER_DEFAULTS = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "32"}
 
 
 # Every model compiled for the CPU keeps at most this many executors per kind of node (the plugin's
@@ -132,6 +136,7 @@ def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", 
         vocab_path = model_dir / DRAFT_VOCAB
         draft_vocab = graphs.read_draft_vocab(vocab_path) if use_draft_vocab and vocab_path.exists() else None
         runtime_drafter_graph(drafter_model, target_model, draft_vocab, drafter_kind(manifest))
+        int8_head = draft_vocab is None and graphs.with_int8_head(drafter_model, target_model)
     max_length = int(manifest["max_position_embeddings"])
     config = cpu_defaults(device, config)
     target_config = dict(config)
@@ -162,7 +167,8 @@ def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", 
         else:
             target = OVTarget(compiled_target, max_length, seq_axes, **target_options)
     if with_drafter:
-        compiled_drafter = core.compile_model(drafter_model, device, {**DRAFTER_DEFAULTS, **config})
+        drafter_defaults = INT8_HEAD_DRAFTER_DEFAULTS if int8_head else DRAFTER_DEFAULTS
+        compiled_drafter = core.compile_model(drafter_model, device, {**drafter_defaults, **config})
         if drafter_kind(manifest) == "dspark":
             if not (model_dir / DSPARK_HEADS).is_file():
                 raise FileNotFoundError(f"{model_dir / DSPARK_HEADS}: the DSpark drafter's heads are missing; "

@@ -22,6 +22,13 @@ Contract (docs/DESIGN.md, "Runtime graphs"):
   one): ``graft_embedding`` (the ``input_ids`` lookup), ``graft_head`` (the target head's logits of
   ``last_hidden_state``, over the draft vocabulary when given), ``to_target_ids``, ``add_named_result``.
 
+* ``with_int8_head(drafter, target)``: where the drafter applies the target's whole fp16 lm_head (no
+  draft vocabulary), it applies an int8 copy instead (one symmetric scale per vocabulary row, compressed
+  as openvino compresses quantized weights, so the CPU plugin keeps it int8). In place; True when done.
+  Lossless (only the proposals can change; the target verifies them), and the head is most of a
+  full-vocabulary drafter's cost: it halves what the plugin packs for it and, with dynamic
+  quantization, its time (docs/BENCHMARKS.md, "Drafter head").
+
 * ``with_f32_weights(model)``: a copy whose f16 weight constants (Constant f16 -> Convert f32)
   are f32 constants, for the paged target's wide calls (``ovdflash.ov.wide_target``).
 
@@ -150,6 +157,51 @@ def with_f32_weights(model: ov.Model) -> tuple[ov.Model, int]:
     for op in converts:
         op.output(0).replace(ops.constant(op.input_value(0).get_node().get_data().astype(np.float32)).output(0))
     return copy, len(converts)
+
+
+def _f16_constant_of(weight: ov.Output):
+    """The f16 Constant behind `weight` when it is one decompressed by a Convert to f32, else None."""
+    node = weight.get_node()
+    if node.get_type_name() != "Convert" or node.get_output_element_type(0) != ov.Type.f32:
+        return None
+    source = node.input_value(0).get_node()
+    return source if source.get_type_name() == "Constant" and source.get_element_type() == ov.Type.f16 else None
+
+
+def _int8_rows(weight: ov.Output, rows_chunk: int = 8192) -> ov.Output:
+    """An int8 copy of an f16 [V, H] weight, one symmetric scale per row (module contract)."""
+    from openvino._offline_transformations import compress_quantize_weights_transformation
+
+    const = _f16_constant_of(weight)
+    data = const.get_data()
+    high = np.empty((data.shape[0], 1), np.float32)
+    for start in range(0, data.shape[0], rows_chunk):  # in chunks: no f32 copy of the whole table
+        high[start:start + rows_chunk, 0] = np.abs(data[start:start + rows_chunk].astype(np.float32)).max(axis=1)
+    high[high == 0] = 1.0
+    low, high = ops.constant(-high), ops.constant(high)
+    quantized = ops.fake_quantize(ops.convert(const, ov.Type.f32), low, high, low, high, 255)
+    rows = ops.parameter(ov.PartialShape([-1, data.shape[1]]), ov.Type.f32)
+    holder = ov.Model([ops.matmul(rows, quantized, False, True)], [rows])
+    compress_quantize_weights_transformation(holder)  # i8 constant -> marked Convert -> scale Multiply
+    return holder.get_results()[0].input_value(0).get_node().input_value(1)
+
+
+def with_int8_head(drafter: ov.Model, target: ov.Model) -> bool:
+    lm_head = find_lm_head(target)
+    weight = lm_head.input_value(1)
+    if not lm_head.get_attributes().get("transpose_b", False) or _f16_constant_of(weight) is None:
+        return False
+    in_drafter = {op.get_instance_id() for op in drafter.get_ordered_ops()}
+    consumers = [inp for inp in weight.get_target_inputs()
+                 if inp.get_index() == 1 and inp.get_node().get_type_name() == "MatMul"
+                 and inp.get_node().get_instance_id() in in_drafter]
+    if not consumers:
+        return False
+    int8_weight = _int8_rows(weight)
+    for inp in consumers:
+        inp.replace_source_output(int8_weight)
+    drafter.validate_nodes_and_infer_types()
+    return True
 
 
 def _slice_rows(weight: ov.Output, rows: np.ndarray, axis: int) -> ov.Output:
