@@ -267,9 +267,11 @@ class _Api:
         if requested is not None:
             raise bad_request(f"tool_choice holds the reply to a tool call: it cannot be combined with "
                               f"{requested[1].split('.')[0]}", param="tool_choice")
-        special = special_tokens_among(self.pipeline.tokenizer, (tool_calls.OPEN_TAG, tool_calls.CLOSE_TAG),
-                                       self.vocab_size, self.pipeline.eos_token_ids) if self.tool_format else ()
-        grammar = tool_calls.call_grammar(self.tool_format, forced_tools, special) if self.tool_format else None
+        grammar = None
+        if self.tool_format:
+            special = special_tokens_among(self.pipeline.tokenizer, (tool_calls.OPEN_TAG, tool_calls.CLOSE_TAG),
+                                           self.vocab_size, self.pipeline.eos_token_ids)
+            grammar = tool_calls.call_grammar(self.tool_format, forced_tools, special)
         if grammar is None:
             raise bad_request(f"tool_choice \"required\" or naming a function is held to a grammar only for the "
                               f"hermes, qwen3_xml and llama3_json tool-call formats; this model's is "
