@@ -201,6 +201,21 @@ def test_oracle_mode_accepts_whole_blocks_at_the_drafters_cost(tiny_pair, tmp_pa
     assert res["prompt_sets"]["code"]["ratios"]["oracle@4 / best AR"] == pytest.approx(e["speedup"])
 
 
+def test_the_oracle_reuses_no_prefix_when_the_pipeline_does_not(tiny_pair):
+    """A prompt run again by oracle@B prefills it whole, as every other mode of the bench does."""
+    from ovdflash import DFlashPipeline
+    from ovdflash.bench.modes import OracleRunner
+
+    for prefix_cache in (False, True):
+        pipe = DFlashPipeline.from_pretrained(tiny_pair, prefix_cache=prefix_cache, **STRICT_F32)
+        oracle = OracleRunner(pipe, 4)
+        prompt = list(range(5, 25))
+        first = oracle(prompt, 9)
+        again = oracle(prompt, 9)  # its reference is known: nothing else ran on the target in between
+        assert again[0] == first[0]
+        assert (again[3].num_cached_prompt_tokens > 0) == prefix_cache
+
+
 def test_plot_gives_every_mode_its_own_label_and_style(tmp_path):
     """The speedup panel: one legend entry per (prompt set, mode kind), each naming its mode, and
     each mode kind its own line style (the drafter alone is not the perfect drafter)."""

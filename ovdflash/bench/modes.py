@@ -58,6 +58,9 @@ class PerfectDrafter:
         known = self.sequence[start + 1:start + 1 + num_drafts]
         return np.array(known + [self.pad_token_id] * (num_drafts - len(known)), dtype=np.int64)
 
+    def __getattr__(self, name):  # the rest (its context, block size) is the real drafter's
+        return getattr(self.drafter, name)
+
 
 class GreedyReferences:
     """What a perfect drafter knows: a prompt followed by the pipeline's greedy AR continuation,
@@ -82,7 +85,8 @@ class OracleRunner:
         self.references = GreedyReferences(pipe)
         self.drafter = PerfectDrafter(pipe.drafter, pipe.mask_token_id or 0)
         self.pipe = DFlashPipeline(pipe.target, self.drafter, pipe.tokenizer, pipe.eos_token_ids, pipe.block_size,
-                                   pipe.mask_token_id, pipe.model_dir, pipe.bos_token_id)
+                                   pipe.mask_token_id, pipe.model_dir, pipe.bos_token_id,
+                                   prefix_cache=pipe.prefix_cache)  # as the modes it is compared with
         self.runner = OursRunner(self.pipe, block_size, prompt_lookup=False)  # only the perfect drafter
 
     def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float, GenerationStats]:
