@@ -261,15 +261,20 @@ def test_the_calibration_is_kept_per_host_and_read_back_by_later_loads(fp16_pair
     assert wide_target.cached_wide_from(files[0].parent / "openvino_model.xml", host)[0]  # stored again
 
 
-def test_a_changed_target_file_replaces_its_old_copy_and_leaves_other_targets_copies(fp16_pair, tmp_path):
+def two_targets(fp16_pair, tmp_path):
+    """Two copies a and b of the fp16 pair's target directory, and a cache directory."""
     import shutil
-
-    from ovdflash.ov import wide_target
 
     pair_a, pair_b = tmp_path / "a", tmp_path / "b"
     for pair in (pair_a, pair_b):
         shutil.copytree(fp16_pair / "target", pair / "target")
-    cache = tmp_path / "cache"
+    return pair_a, pair_b, tmp_path / "cache"
+
+
+def test_a_changed_target_file_replaces_its_old_copy_and_leaves_other_targets_copies(fp16_pair, tmp_path):
+    from ovdflash.ov import wide_target
+
+    pair_a, pair_b, cache = two_targets(fp16_pair, tmp_path)
     old_a = wide_target.f32_weights_ir(pair_a / "target" / "openvino_model.xml", cache)
     copy_b = wide_target.f32_weights_ir(pair_b / "target" / "openvino_model.xml", cache)
     bin_a = pair_a / "target" / "openvino_model.bin"
@@ -285,10 +290,7 @@ def test_writing_a_copy_removes_the_copies_of_deleted_targets(fp16_pair, tmp_pat
 
     from ovdflash.ov import wide_target
 
-    pair_a, pair_b = tmp_path / "a", tmp_path / "b"
-    for pair in (pair_a, pair_b):
-        shutil.copytree(fp16_pair / "target", pair / "target")
-    cache = tmp_path / "cache"
+    pair_a, pair_b, cache = two_targets(fp16_pair, tmp_path)
     copy_a = wide_target.f32_weights_ir(pair_a / "target" / "openvino_model.xml", cache)
     writing = cache / "wide" / ".writing-elsewhere"  # another process's copy being written: no source yet
     writing.mkdir()
