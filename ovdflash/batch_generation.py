@@ -175,7 +175,7 @@ class BatchGeneration:
 class BatchRunners:
     """What the batch side keeps beside one pipeline's models, each made on first use."""
     target: object = None        # ov.paged_batch.OVPagedBatchTarget
-    drafter_pool: object = None  # ov.paged_batch.DrafterPool
+    drafter_pool: object = None  # ov.drafter_rows.DrafterRows or ov.paged_batch.DrafterPool
     draft_policy: BatchDraftPolicy | None = None
 
 
@@ -192,11 +192,14 @@ def batch_target(pipe, pool_blocks: int | None = None):
 
 
 def drafter_pool(pipe):
-    """Drafters for batched sequences, on this pipeline's compiled drafter (made once; None without one)."""
+    """Drafters for batched sequences, on this pipeline's compiled drafter (made once; None without one):
+    rows of one request, a round's drafter calls in one inference (ov.drafter_rows.DrafterRows), where
+    the drafter is a DFlash one; else a request per sequence (ov.paged_batch.DrafterPool)."""
     if pipe._batch.drafter_pool is None and pipe.drafter is not None:
+        from .ov.drafter_rows import DrafterRows, batches_rows
         from .ov.paged_batch import DrafterPool
 
-        pipe._batch.drafter_pool = DrafterPool(pipe.drafter)
+        pipe._batch.drafter_pool = (DrafterRows if batches_rows(pipe.drafter) else DrafterPool)(pipe.drafter)
     return pipe._batch.drafter_pool
 
 

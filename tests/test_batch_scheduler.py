@@ -134,6 +134,39 @@ def test_sequences_join_mid_batch_and_one_call_serves_all():
     assert drafters.out == 0
 
 
+class MockRowsSource(MockDrafterSource):
+    """A source that drafts a round's sequences in one call (`propose_many`), recording each call's size."""
+
+    def __init__(self, target):
+        super().__init__(target)
+        self.call_sizes = []
+
+    def propose_many(self, calls):
+        self.call_sizes.append(len(calls))
+        return [drafter.propose(*args) for drafter, *args in calls]
+
+
+def test_a_source_that_drafts_together_gets_every_drafter_call_of_a_round_in_one():
+    rng = np.random.default_rng(8)
+    target = MockBatchTarget()
+    drafters = MockRowsSource(target)
+    scheduler = Scheduler(target, drafters, max_batch_size=4)
+    reqs = [(f"r{i}", rng.integers(0, VOCAB, size=int(rng.integers(1, 30))).tolist(), int(rng.integers(5, 40)),
+             SamplingParams(), 8, i % 3 == 0, ()) for i in range(8)]
+    events, steps = {}, 0
+    for r in reqs:
+        scheduler.add(*r)
+    while scheduler.has_work():
+        before = len(drafters.call_sizes)
+        for rid, evs in scheduler.step():
+            events.setdefault(rid, []).extend(evs)
+        assert len(drafters.call_sizes) - before <= 1
+        steps += 1
+    for rid, prompt, max_new, params, block, lookup, eos in reqs:
+        assert events[rid] == alone(prompt, max_new, block, params, eos, lookup), rid
+    assert len(drafters.call_sizes) <= steps and max(drafters.call_sizes) >= 3 and drafters.out == 0
+
+
 def test_eos_stops_one_sequence_and_the_others_go_on():
     base = [e.token for e in alone([3, 4, 5], 30, 4)]
     eos = (base[6],)

@@ -216,6 +216,16 @@ class OracleDrafterPool:
     def give(self, drafter: PerfectDrafter) -> None:
         self.pool.give(drafter.drafter)
 
+    def propose_many(self, calls: list[tuple]) -> list[np.ndarray]:
+        """The real drafters' calls (in one, where the pool batches them), then the known drafts."""
+        real = [(d.drafter, *args) for d, *args in calls]
+        if hasattr(self.pool, "propose_many"):
+            self.pool.propose_many(real)
+        else:
+            for drafter, *args in real:
+                drafter.propose(*args)
+        return [d.known(start, k) for d, _, _, start, k in calls]
+
 
 class BatchedOracleRunner(BatchedRunner):
     """`batch-oracle@B`: generate_batch at block size B, every sequence drafting its own greedy

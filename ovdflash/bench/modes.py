@@ -55,6 +55,9 @@ class PerfectDrafter:
 
     def propose(self, last: int, ctx_feats: np.ndarray, start: int, num_drafts: int) -> np.ndarray:
         self.drafter.propose(last, ctx_feats, start, num_drafts)
+        return self.known(start, num_drafts)
+
+    def known(self, start: int, num_drafts: int) -> np.ndarray:
         known = self.sequence[start + 1:start + 1 + num_drafts]
         return np.array(known + [self.pad_token_id] * (num_drafts - len(known)), dtype=np.int64)
 

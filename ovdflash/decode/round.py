@@ -11,6 +11,9 @@ Contract:
     max_new_tokens nor the context end.
   - `choose_drafts(start, max_drafts)`: n-gram lookup's drafts, else the drafter's (its call consumes
     the features it has not seen; a lookup round leaves them for its next call), else none (an AR step).
+    In steps, for an executor that calls many sequences' drafters at once: `planned_drafts(max_drafts)`
+    (the drafts where no drafter call is needed, else None), `drafter_call(start, max_drafts)` (that
+    call's `propose` arguments), `drafted(proposals, max_drafts)` (the drafts of its proposals).
     Where the drafter reports per-slot confidences and the state has a `draft_cut`
     (block_policy.BlockPolicy or block_policy.ConfidenceCut), only the first `draft_cut.cut(confidence)`
     drafts are verified (slots the grammar forces count as certain).
@@ -183,12 +186,28 @@ class SequenceState:
 
     def choose_drafts(self, start: int, max_drafts: int) -> tuple[np.ndarray, bool]:
         """(drafts, whether lookup's): lookup's, else the drafter's, else none."""
+        planned = self.planned_drafts(max_drafts)
+        if planned is not None:
+            return planned
+        return self.drafted(self.drafter.propose(*self.drafter_call(start, max_drafts)), max_drafts), False
+
+    def planned_drafts(self, max_drafts: int) -> tuple[np.ndarray, bool] | None:
+        """`choose_drafts` where it needs no drafter call (none, or lookup's); None where it does."""
         if self.drafter is None or max_drafts < 1:
             return NO_DRAFTS, False
         found = self.lookup.propose(max_drafts) if self.lookup is not None else None
         if found is not None:  # a match near the end may offer fewer tokens
             return self._allowed_drafts(found), True
-        drafts = np.asarray(self.drafter.propose(self.last, self.ctx_feats, start, max_drafts), dtype=np.int64)
+        return None
+
+    def drafter_call(self, start: int, max_drafts: int) -> tuple:
+        """The arguments of this round's `drafter.propose` (after `planned_drafts` said None)."""
+        return self.last, self.ctx_feats, start, max_drafts
+
+    def drafted(self, proposals: np.ndarray, max_drafts: int) -> np.ndarray:
+        """The drafts of the drafter's proposals for this round's call: its context is consumed, the
+        grammar's forced tokens come first, the cut and the grammar shorten them."""
+        drafts = np.asarray(proposals, dtype=np.int64)
         self.ctx_feats = self.ctx_feats[:0]
         confidence = getattr(self.drafter, "confidence", None)
         forced = self.grammar.forced()[:max_drafts] if self.grammar is not None else []
@@ -200,7 +219,7 @@ class SequenceState:
             drafts = drafts[: self.draft_cut.cut(confidence[: len(drafts)])]
         drafts = self._allowed_drafts(drafts)
         self.stats.num_forced_draft_tokens += min(len(forced), len(drafts))
-        return drafts, False
+        return drafts
 
     def _allowed_drafts(self, drafts: np.ndarray) -> np.ndarray:
         # a draft the grammar forbids would be rejected anyway: verifying it only costs time

@@ -14,8 +14,11 @@ Contract:
 - `Scheduler(target, drafters=None, max_batch_size=8, draft_policy=None, max_num_batched_tokens=None,
   prefill_batch_tokens=None)`:
   `drafters` hands out one
-  `round.DrafterRunner` per sequence (`take()`, `give(d)`; paged_batch.DrafterPool) or is None
-  (AR only). `add(request_id, prompt_ids, max_new_tokens, params, block_size, prompt_lookup, eos,
+  `round.DrafterRunner` per sequence (`take()`, `give(d)`; ov.drafter_rows.DrafterRows, or
+  ov.paged_batch.DrafterPool) or is None (AR only). A source with `propose_many([(drafter, last,
+  ctx_feats, start, num_drafts), ...]) -> [proposals, ...]` gets every drafter call of a round in one
+  call (one inference), each call's arguments and proposals as its drafter's `propose`.
+  `add(request_id, prompt_ids, max_new_tokens, params, block_size, prompt_lookup, eos,
   load_aware=False, reuse_prefix=True, grammar=None, draft_cut=None)` queues a request (`grammar`: a fresh
   `structured.GrammarState` holding its output to a grammar, as `round.SequenceState` says; `draft_cut`:
   `block_policy.ConfidenceCut`, which shortens the proposals of a drafter reporting confidences) and
@@ -55,7 +58,8 @@ Contract:
   prefill gives that sequence no events. Output is unchanged by the budget. The load-aware
   policy's fixed tokens count each prefill's chunk, not its whole prompt.
 - `abort(request_id)` drops a waiting or running request (True if it was there); `has_work()`.
-- Timing stats: the shared target call is counted in full in every sequence's verify_s.
+- Timing stats: the shared target call is counted in full in every sequence's verify_s; a shared
+  drafter call (`propose_many`) gives each of its sequences an equal share in draft_s.
 """
 from __future__ import annotations
 
@@ -96,6 +100,7 @@ class BatchTarget(Protocol):
 class DrafterSource(Protocol):
     def take(self) -> DrafterRunner: ...
     def give(self, drafter: DrafterRunner) -> None: ...
+    # optional: propose_many(calls) -> proposals, a round's drafter calls at once (module doc)
 
 
 @dataclass
@@ -211,7 +216,7 @@ class Scheduler:
             return []
         seqs = list(self.running.values())
         chosen = self._load_aware_drafts(seqs)
-        verifies = {seq.request_id: self._verify_entry(seq, chosen.get(seq.request_id)) for seq in seqs if seq.prefilled}
+        verifies = self._verify_entries([seq for seq in seqs if seq.prefilled], chosen)
         chunks = self._prefill_chunks(seqs, sum(len(ids) for _, ids, _ in verifies.values()))
         seqs = [seq for seq in seqs if seq.request_id in verifies or seq.request_id in chunks]
         batch = [verifies[seq.request_id] if seq.prefilled else self._chunk_entry(seq, chunks[seq.request_id])
@@ -239,17 +244,41 @@ class Scheduler:
                 self._finish(seq)
         return events
 
-    def _verify_entry(self, seq: _Sequence, num_drafts: int | None) -> tuple:
-        """(seq_id, `[last, *drafts]`, logit rows) for this round's call, with at most num_drafts drafts
-        when the batch policy chose them."""
-        t0 = time.perf_counter()
-        max_drafts = self._room(seq) - 1 if num_drafts is None else num_drafts
-        seq.drafts, seq.from_lookup = seq.state.choose_drafts(self.target.committed(seq.request_id), max_drafts)
-        draft_s = time.perf_counter() - t0
-        seq.state.stats.draft_s += draft_s
-        if num_drafts and seq.policy_state is not None and not seq.from_lookup:  # the policy's drafter call
-            self.draft_policy.observe_draft(num_drafts, draft_s)
-        return seq.request_id, verify_ids(seq.state.last, seq.drafts), np.arange(len(seq.drafts) + 1)
+    def _verify_entries(self, seqs: list[_Sequence], chosen: dict) -> dict:
+        """request id -> (seq_id, `[last, *drafts]`, logit rows) for this round's call, with at most
+        chosen[id] drafts where the batch policy chose them. The sequences that need a drafter call get
+        it in one inference where the drafter source can (`propose_many`), each paying an equal share."""
+        calls = []
+        for seq in seqs:
+            t0 = time.perf_counter()
+            num_drafts = chosen.get(seq.request_id)
+            max_drafts = self._room(seq) - 1 if num_drafts is None else num_drafts
+            planned = seq.state.planned_drafts(max_drafts)
+            if planned is None:
+                calls.append((seq, max_drafts))
+            else:
+                seq.drafts, seq.from_lookup = planned
+            seq.state.stats.draft_s += time.perf_counter() - t0
+        many = getattr(self.drafters, "propose_many", None)
+        if many is not None and calls:
+            t0 = time.perf_counter()
+            proposals = many([(seq.state.drafter, *seq.state.drafter_call(self.target.committed(seq.request_id), k))
+                              for seq, k in calls])
+            shares = [(time.perf_counter() - t0) / len(calls)] * len(calls)
+        else:
+            proposals, shares = [], []
+            for seq, k in calls:
+                t0 = time.perf_counter()
+                args = seq.state.drafter_call(self.target.committed(seq.request_id), k)
+                proposals.append(seq.state.drafter.propose(*args))
+                shares.append(time.perf_counter() - t0)
+        for (seq, k), proposal, draft_s in zip(calls, proposals, shares):
+            seq.drafts, seq.from_lookup = seq.state.drafted(proposal, k), False
+            seq.state.stats.draft_s += draft_s
+            if seq.policy_state is not None:  # the policy's drafter call: its share of one call for all
+                self.draft_policy.observe_draft(k, draft_s)
+        return {seq.request_id: (seq.request_id, verify_ids(seq.state.last, seq.drafts), np.arange(len(seq.drafts) + 1))
+                for seq in seqs}
 
     @staticmethod
     def _chunk_entry(seq: _Sequence, num_tokens: int) -> tuple:

@@ -4,7 +4,8 @@ Layout: `compile` (read, adapt, compile: `compile_runners`), `inference` (`run_r
 logits rows of a call), `runners` (OVTarget, the stateful runner; OVDrafter and the DFlash
 proposer), `dflash2` (a DFlash 2 drafter's runtime graph and its proposer, the selector walk), `paged` (`PagedKV`, the
 paged KV cache both paged targets share, and OVPagedTarget), `paged_batch` (the batched paged
-target, the pool's default size, the drafter pool), `block_pool` (bookings, block tables and the
+target, the pool's default size, a request per sequence's drafter), `drafter_rows` (a batch's DFlash
+drafters as rows of one request: a round's drafter calls in one inference), `block_pool` (bookings, block tables and the
 prefix cache of the batch's KV blocks), `hybrid` (linear-attention targets), `graphs` (IR edits), `precision` (numerics
 per host), `wide_target` (the f32-weight copy), `memory` (resident pages), `host` (CPU, ISA,
 versions). May import: `decode` (its interfaces and stats), the manifest; never the pipeline, the

@@ -136,6 +136,7 @@ def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", 
         vocab_path = model_dir / DRAFT_VOCAB
         draft_vocab = graphs.read_draft_vocab(vocab_path) if use_draft_vocab and vocab_path.exists() else None
         runtime_drafter_graph(drafter_model, target_model, draft_vocab, drafter_kind(manifest))
+        graphs.with_draft_rows(drafter_model)
         int8_head = draft_vocab is None and graphs.with_int8_head(drafter_model, target_model)
         if int8_head:  # the fp16 head's pages it read would otherwise stay through the compiles below
             release_mapped_files([(model_dir / TARGET_XML).with_suffix(".bin")])

@@ -29,6 +29,10 @@ Contract (docs/DESIGN.md, "Runtime graphs"):
   full-vocabulary drafter's cost: it halves what the plugin packs for it and, with dynamic
   quantization, its time (docs/BENCHMARKS.md, "Drafter head").
 
+* ``with_draft_rows(drafter)``: adds input ``draft_rows [N] i64`` to a DFlash drafter's runtime graph:
+  only those batch rows of the block reach the head, so ``draft_tokens`` is ``[N,B-1]``; a batched
+  call's rows that do not draft skip the head (``ovdflash.ov.drafter_rows``). In place; True when done.
+
 * ``with_f32_weights(model)``: a copy whose f16 weight constants (Constant f16 -> Convert f32)
   are f32 constants, for the paged target's wide calls (``ovdflash.ov.wide_target``).
 
@@ -184,6 +188,27 @@ def _int8_rows(weight: ov.Output, rows_chunk: int = 8192) -> ov.Output:
     holder = ov.Model([ops.matmul(rows, quantized, False, True)], [rows])
     compress_quantize_weights_transformation(holder)  # i8 constant -> marked Convert -> scale Multiply
     return holder.get_results()[0].input_value(0).get_node().input_value(1)
+
+
+def with_draft_rows(drafter: ov.Model) -> bool:
+    """Input ``draft_rows [N] i64`` in front of a DFlash drafter's head: only those batch rows reach the
+    head MatMul (most of a call's cost) and ``draft_tokens`` has N rows. In place; True when done (an
+    argmax graph whose head is one MatMul)."""
+    if "draft_tokens" not in {name for out in drafter.outputs for name in out.get_names()}:
+        return False
+    node = drafter.output("draft_tokens").get_node().input_value(0).get_node()
+    while node.get_type_name() in ("Gather", "Squeeze"):  # the draft vocabulary's id table, the argmax's axis
+        node = node.input_value(1 if node.get_type_name() == "Gather" else 0).get_node()
+    head = node.input_value(0).get_node() if node.get_type_name() == "TopK" else None
+    if head is None or head.get_type_name() != "MatMul":
+        return False
+    rows = ops.parameter(ov.PartialShape([-1]), ov.Type.i64, name="draft_rows")
+    _set_name(rows.output(0), "draft_rows")
+    picked = ops.gather(head.input_value(0), rows, ops.constant(0, ov.Type.i64))
+    head.input(0).replace_source_output(picked.output(0))
+    drafter.add_parameters([rows])
+    drafter.validate_nodes_and_infer_types()
+    return True
 
 
 def with_int8_head(drafter: ov.Model, target: ov.Model) -> bool:

@@ -33,7 +33,8 @@ Contract:
   (rollback is free, as in OVPagedTarget).
 - `DrafterPool(drafter)`: `OVDrafter`s on the same compiled drafter, one InferRequest each, handed
   out per sequence (`take()`, reset) and returned (`give(d)`); each keeps its sequence's context in
-  its own state, exactly as the single-sequence drafter does.
+  its own state, exactly as the single-sequence drafter does (DFlash drafters batch their calls
+  instead: `drafter_rows.DrafterRows`).
 May import: numpy, openvino, `.paged`, `.block_pool`, `.runners`.
 """
 from __future__ import annotations

@@ -143,6 +143,10 @@ class OVTarget(LogitRows):
         self.num_compactions += 1
 
 
+def has_input(compiled: ov.CompiledModel, name: str) -> bool:
+    return any(name in port.get_names() for port in compiled.inputs)
+
+
 class ArgmaxProposals:
     """DFlash proposals: the runtime graph's `draft_tokens` (the head's argmax per draft slot)."""
 
@@ -174,6 +178,8 @@ class OVDrafter:
         self.ones = np.ones((1, max_length + 1), dtype=np.int64)
         self.block = np.full((1, 256), mask_token_id, dtype=np.int64)
         self.beam_idx = np.zeros(1, dtype=np.int32)
+        # graphs.with_draft_rows: the rows that reach the head
+        self.draft_rows = np.zeros(1, dtype=np.int64) if has_input(compiled, "draft_rows") else None
         self.reset()
 
     def reset(self) -> None:
@@ -192,13 +198,16 @@ class OVDrafter:
         if block > self.block.shape[1]:
             self.block = np.full((1, block), self.mask_token_id, dtype=np.int64)
         self.block[0, 0] = last
-        run_request(self.request, {
+        inputs = {
             "input_ids": self.block[:, :block],
             "hidden_states": np.ascontiguousarray(ctx_feats, dtype=np.float32)[None],
             "position_ids": self.positions[:, start - num_ctx:start + block],
             "attention_mask": self.ones[:, : start + block],
             "beam_idx": self.beam_idx,
-        })
+        }
+        if self.draft_rows is not None:
+            inputs["draft_rows"] = self.draft_rows
+        run_request(self.request, inputs)
         self.context_len = start
         return self.proposals.read(self.request, num_drafts)
 
