@@ -259,18 +259,17 @@ class Scheduler:
             else:
                 seq.drafts, seq.from_lookup = planned
             seq.state.stats.draft_s += time.perf_counter() - t0
+        args = [seq.state.drafter_call(self.target.committed(seq.request_id), k) for seq, k in calls]
         many = getattr(self.drafters, "propose_many", None)
         if many is not None and calls:
             t0 = time.perf_counter()
-            proposals = many([(seq.state.drafter, *seq.state.drafter_call(self.target.committed(seq.request_id), k))
-                              for seq, k in calls])
+            proposals = many([(seq.state.drafter, *a) for (seq, _), a in zip(calls, args)])
             shares = [(time.perf_counter() - t0) / len(calls)] * len(calls)
         else:
             proposals, shares = [], []
-            for seq, k in calls:
+            for (seq, _), a in zip(calls, args):
                 t0 = time.perf_counter()
-                args = seq.state.drafter_call(self.target.committed(seq.request_id), k)
-                proposals.append(seq.state.drafter.propose(*args))
+                proposals.append(seq.state.drafter.propose(*a))
                 shares.append(time.perf_counter() - t0)
         for (seq, k), proposal, draft_s in zip(calls, proposals, shares):
             seq.drafts, seq.from_lookup = seq.state.drafted(proposal, k), False

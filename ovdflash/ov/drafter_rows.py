@@ -129,7 +129,6 @@ class DrafterRows:
         positions = np.zeros((num_rows, num_new + block), dtype=np.int64)
         end = self.length + num_new
         mask = np.zeros((num_rows, end + block), dtype=np.int64)
-        mask[:, : self.length] = self.kept[:num_rows, : self.length]
         mask[:, end] = 1  # a riding row's first block slot sees itself: no row is wholly masked
         self._grow_mask(num_rows, end)
         for (row, last, ctx_feats, start, _), row_block in zip(calls, blocks):
@@ -138,9 +137,9 @@ class DrafterRows:
             feats[i, :num_ctx] = ctx_feats
             positions[i, :num_ctx] = np.arange(start - num_ctx, start)
             positions[i, num_new:] = np.minimum(np.arange(start, start + block), self.max_length)
-            mask[i, self.length:self.length + num_ctx] = 1
             mask[i, end:end + row_block] = 1
             self.kept[i, self.length:self.length + num_ctx] = 1
+        mask[:, :end] = self.kept[:num_rows, :end]  # each row's context slots, the new ones included
         inputs = {"input_ids": ids, "hidden_states": feats, "position_ids": positions, "attention_mask": mask,
                   "beam_idx": beam_idx}
         drafting = np.array([c[0].index for c in calls], dtype=np.int64)
@@ -175,8 +174,7 @@ class DrafterRows:
             self.kept = grown
 
     def _maybe_compact(self) -> None:
-        counts = self.kept[: self.state_rows, : self.length].sum(axis=1)
-        longest = int(counts.max()) if len(counts) else 0
+        longest = max((row.context_len for row in self.members), default=0)  # a row's kept slots are its context
         if self.length - longest < max(self.compact_min_garbage, self.compact_fraction * self.length):
             return
         self.num_compactions += 1
