@@ -218,7 +218,8 @@ def batch_draft_policy(pipe, max_batch_size: int = 8):
                 max_sequences=max_batch_size)
         finally:
             pool.give(drafter)
-        pipe._batch.draft_policy = BatchDraftPolicy(tokens, call_cost_s, draft_cost_s)
+        pipe._batch.draft_policy = BatchDraftPolicy(tokens, call_cost_s, draft_cost_s,
+                                                    shared_draft_call=hasattr(pool, "propose_many"))
     return pipe._batch.draft_policy
 
 

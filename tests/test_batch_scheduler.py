@@ -320,6 +320,39 @@ def test_the_policy_learns_the_drafter_calls_it_chose_and_no_lookup_drafts():
     assert all(1 <= k <= 3 and seconds > 0 for k, seconds in policy.seen)
 
 
+def test_a_shared_drafter_call_is_learnt_once_a_round_and_lookup_rounds_teach_the_lookup():
+    """With drafter rows (one call for a round's sequences) the policy times the round's one call, for
+    its largest k; rounds on lookup drafts teach the lookup's acceptance, the drafter's rounds its own."""
+    from ovdflash.decode.block_policy import BatchDraftPolicy
+
+    class Recording(BatchDraftPolicy):
+        def observe_draft(self, num_drafts, seconds):
+            self.seen.append((num_drafts, seconds))
+            super().observe_draft(num_drafts, seconds)
+
+        def observe(self, state, num_drafted, num_accepted, from_lookup=False):
+            self.sources.append(from_lookup)
+            super().observe(state, num_drafted, num_accepted, from_lookup)
+
+    target = MockBatchTarget(make_target=lambda: MockTarget(vocab_size=VOCAB, seed=3))
+    policy = Recording(list(range(1, 65)), [0.020] * 64, [0.0] + [0.001] * 3, cost_update_rate=0.0, drift_rate=0.0,
+                       shared_draft_call=True)
+    policy.seen, policy.sources = [], []
+    drafters = MockRowsSource(target)
+    scheduler = Scheduler(target, drafters, max_batch_size=4, draft_policy=policy)
+    prompts = [[3, 4, 5, 6] * 4, [7, 8, 9], [1, 2] * 5, [9, 8, 7, 6, 5]]
+    stats = [scheduler.add(i, p, 24, SamplingParams(), 4, True, (), load_aware=True) for i, p in enumerate(prompts)]
+    events = drain(scheduler)
+    for i, p in enumerate(prompts):
+        want = generate(MockTarget(vocab_size=VOCAB, seed=3), None, p, 24, SamplingParams(), (), 1)
+        assert [e.token for e in events[i]] == [e.token for e in want], i
+    assert len(policy.seen) == len(drafters.call_sizes) > 0 and max(drafters.call_sizes) >= 2
+    assert all(1 <= k <= 3 and seconds > 0 for k, seconds in policy.seen)
+    lookup_rounds = sum(s.num_lookup_drafts for s in stats)
+    assert lookup_rounds > 0 and policy.sources.count(True) == lookup_rounds
+    assert policy.sources.count(False) == sum(s.num_drafts - s.num_lookup_drafts for s in stats) > 0
+
+
 # -- chunked prefill: a per-round token budget ------------------------------------------------------
 @pytest.mark.parametrize("budget", [1, 5, 23])
 @pytest.mark.parametrize("sampled", [False, True])

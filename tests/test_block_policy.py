@@ -451,10 +451,14 @@ def test_auto_without_a_drafter_is_plain_autoregressive(tiny_pair, tmp_path):
 
 
 # -- several sequences per call --------------------------------------------------------------------
-def batch_rate(policy, states, ks, fixed=0):
-    expected = sum(s["estimate"].expected_tokens()[k] for s, k in zip(states, ks))
-    cost = float(policy.call_cost(fixed + sum(k + 1 for k in ks))) + sum(policy.draft_cost_s[k] for k in ks)
-    return expected / cost
+def batch_rate(policy, states, ks, fixed=0, lookup=None):
+    """The batch's expected tokens per second, written out: lookup drafts call no drafter; drafter calls
+    cost each their own, or (shared) the largest one for all."""
+    offers = lookup or [0] * len(ks)
+    expected = sum(s["lookup" if n else "estimate"].expected_tokens()[k] for s, k, n in zip(states, ks, offers))
+    drafter = [policy.draft_cost_s[k] for k, n in zip(ks, offers) if not n and k]
+    drafting = (max(drafter) if policy.shared_draft_call else sum(drafter)) if drafter else 0.0
+    return expected / (float(policy.call_cost(fixed + sum(k + 1 for k in ks))) + drafting)
 
 
 def batch_policy(call_ms, p, draft_ms=4.0, max_drafts=7):
@@ -464,26 +468,67 @@ def batch_policy(call_ms, p, draft_ms=4.0, max_drafts=7):
     return policy
 
 
-def test_batch_policy_is_near_brute_force_and_never_below_all_ar():
+@pytest.mark.parametrize("shared", [False, True])
+def test_batch_policy_is_near_brute_force_and_never_below_all_ar(shared):
+    """Random curves, acceptances, caps and lookup offers; drafter calls each paid, or one shared call."""
     import itertools
-    rng = np.random.default_rng(0)
-    for trial in range(40):
+    rng = np.random.default_rng(0 + shared)
+    for trial in range(60):
         # a random nondecreasing cost curve over 1..24 tokens, flat stretches and cliffs
         call_ms = np.cumsum(rng.choice([0.0, 0.5, 3.0, 12.0], size=24, p=[0.4, 0.3, 0.2, 0.1])) + 20.0
         policy = batch_policy(call_ms, float(rng.uniform(0.05, 0.95)), draft_ms=float(rng.uniform(0, 10)),
                               max_drafts=3)
-        n = int(rng.integers(1, 4))
+        policy.draft_cost_s[1:] *= np.linspace(1.0, float(rng.uniform(1, 2)), 3)  # longer drafts may cost more
+        policy.shared_draft_call = shared
+        n = int(rng.integers(1, 5))
         states = [policy.new_sequence() for _ in range(n)]
-        for s in states:  # each sequence its own acceptance
+        for s in states:  # each sequence its own acceptance, per draft source
             s["estimate"].prior_acceptance = float(rng.uniform(0.05, 0.95))
+            s["lookup"].prior_acceptance = float(rng.uniform(0.05, 0.95))
         caps = [int(c) for c in rng.integers(0, 4, size=n)]
-        ks = policy.choose(states, caps, fixed_tokens=0)
-        assert all(0 <= k <= c for k, c in zip(ks, caps))
-        best = max(batch_rate(policy, states, combo)
-                   for combo in itertools.product(*[range(c + 1) for c in caps]))
-        got = batch_rate(policy, states, ks)
+        offers = [int(o) for o in rng.choice([0, 0, 1, 2, 3], size=n)]
+        ks = policy.choose(states, caps, fixed_tokens=0, lookup=offers)
+        assert all(0 <= k <= min(c, o or c) for k, c, o in zip(ks, caps, offers)), (ks, caps, offers)
+        best = max(batch_rate(policy, states, combo, lookup=offers)
+                   for combo in itertools.product(*[range(min(c, o or c) + 1) for c, o in zip(caps, offers)]))
+        got = batch_rate(policy, states, ks, lookup=offers)
         assert got >= batch_rate(policy, states, [0] * n) * (1 - 1e-9), trial  # never below all-AR
-        assert got >= 0.95 * best, (trial, ks, caps)
+        assert got >= 0.95 * best, (trial, ks, caps, offers)
+
+
+def test_one_shared_drafter_call_lets_every_sequence_draft_where_separate_calls_would_not():
+    """Drafter calls of 8 ms beside a 20 ms target call that 16 tokens hardly slow: four separate
+    calls (32 ms) outweigh what p = 0.6 drafts bring, one call for all (8 ms) does not."""
+    call_ms = [20.0] * 16 + [20.0 + 2.0 * (t - 16) for t in range(17, 65)]
+    separate = batch_policy(call_ms, 0.6, draft_ms=8.0, max_drafts=3)
+    shared = batch_policy(call_ms, 0.6, draft_ms=8.0, max_drafts=3)
+    shared.shared_draft_call = True
+    ks_separate = separate.choose([separate.new_sequence() for _ in range(4)], [3] * 4)
+    states = [shared.new_sequence() for _ in range(4)]
+    ks_shared = shared.choose(states, [3] * 4)
+    assert ks_shared == [3] * 4 and sum(ks_separate) < sum(ks_shared)
+    assert shared.drafting_cost(ks_shared, [True] * 4) == pytest.approx(0.008)
+    assert separate.drafting_cost(ks_shared, [True] * 4) == pytest.approx(0.032)
+    assert batch_rate(shared, states, ks_shared) > batch_rate(shared, states, [0] * 4)
+
+
+def test_lookup_offers_are_drafts_without_a_drafter_call_judged_by_the_lookups_acceptance():
+    """A drafter too dear to call on a compute-bound curve; a sequence whose lookup matches and is
+    mostly right still verifies its lookup drafts, one whose lookup is mostly wrong does not, and each
+    source's rounds teach only its own estimate."""
+    call_ms = [20.0 + 4.0 * (t - 1) for t in range(1, 65)]
+    policy = batch_policy(call_ms, 0.5, draft_ms=30.0, max_drafts=3)
+    policy.prior = (0.5, 2.0, 0.95)
+    good, bad = policy.new_sequence(), policy.new_sequence()
+    for _ in range(30):
+        policy.observe(good, 3, 3, from_lookup=True)
+        policy.observe(bad, 3, 0, from_lookup=True)
+    assert policy.choose([good, bad], [3, 3]) == [0, 0]  # no offers: only the dear drafter
+    assert policy.choose([good, bad], [3, 3], lookup=[2, 3]) == [2, 0]  # at most what the lookup offers
+    assert good["estimate"].seen == [0.0] * 3 and good["lookup"].seen[0] > 0
+    fresh = policy.new_sequence()  # the lookups seen so far set a new sequence's lookup prior
+    assert fresh["lookup"].prior_acceptance == pytest.approx(policy.lookup_population.acceptance()[0])
+    assert fresh["estimate"].prior_acceptance == pytest.approx(0.5)
 
 
 def test_batch_policy_drafts_less_as_the_batch_grows_on_a_compute_bound_curve():

@@ -68,6 +68,7 @@ Pure python/numpy: no OpenVINO here.
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from typing import Sequence
@@ -335,33 +336,43 @@ class BatchDraftPolicy:
     `call_tokens` / `call_cost_s`: measured seconds of one batched target call by the tokens it
     carries (all sequences together; interpolated between points, continued past the last one with
     its final slope); `draft_cost_s[k]`: one sequence's drafter call for k drafts (`[0]` is 0).
-    `choose(states, caps, fixed_tokens)` picks k_i in 0..caps[i] that maximize the batch's expected
-    tokens per second, sum_i E_i[accepted + 1](k_i) / (call_cost(fixed_tokens + sum_i (k_i + 1)) +
-    sum_i draft_cost(k_i)): it starts from the best of all-AR and every uniform k (each sequence
+    `shared_draft_call`: the round's drafter calls are one inference for every sequence (drafter
+    rows), so a round that drafts pays draft_cost(max k) once, however many sequences draft; else
+    each drafting sequence pays its own call. `choose(states, caps, fixed_tokens, lookup)` picks
+    k_i in 0..caps[i] that maximize the batch's expected tokens per second, sum_i E_i[accepted +
+    1](k_i) / (call_cost(fixed_tokens + sum_i (k_i + 1)) + drafting(k)), drafting(k) that cost of
+    the drafter calls; `lookup[i]` > 0 says sequence i's n-gram lookup offers that many drafts this
+    round, so its options are 0..min(caps[i], lookup[i]) lookup drafts, judged by its lookup
+    acceptance, with no drafter call (lookup drafts first, as a fixed block takes them). It starts
+    from the best of all-AR and every uniform k (each sequence
     min(k, cap_i): the curve can step up where the runner changes kernels, so no single sequence's
-    draft pays on its own while all of them do), then repeatedly takes the one change k_i -> k'
-    that raises that rate most, and stops when none does; all-AR stays a choice. Each sequence's
+    draft pays on its own while all of them do), then repeatedly takes the one change that raises
+    that rate most (one k_i -> k', or one draft moved from one sequence to another: the same call
+    size, across a cliff of the curve), and stops when none does; all-AR stays a choice. Each sequence's
     acceptance is its own `DraftAcceptance` (`new_sequence()`, `observe(state, drafted,
-    accepted)`), whose prior is the first-draft acceptance of every sequence observed so far
-    (`population`). A sequence held at AR for `explore_every` rounds probes
+    accepted, from_lookup)`: the lookup's rounds teach its own estimate), whose prior is the
+    first-draft acceptance of every sequence observed so far (`population`, `lookup_population`). A sequence held at AR for `explore_every` rounds probes
     with `probe_drafts` drafts (the wait doubles up to `max_explore_every`, reset when drafting
     is chosen), so its estimate does not freeze, but only where drafts accepted at
     `probe_acceptance` each would raise the batch's rate: where the call curve and the drafter's
-    cost rule drafting out (a full batch on a compute-bound host), a probe only costs. `observe_call(tokens, seconds)` learns the cost
+    cost rule drafting out (a full batch on a compute-bound host), a probe only costs.
+    `observe_call(tokens, seconds)` learns the cost
     curve in use, as BlockPolicy.observe_round does (a drift of every cost, draft costs too, then
     the point). `observe_draft(k, seconds)` learns what drafter calls cost in use: the calibration
     times calls with no context to catch up and shapes already met, but a sequence that drafts
     after AR steps first feeds the drafter their context, in an input shape often new to the
     plugin, so real calls cost more (SmolLM2's drafter, 2 cores: 1.4 ms calibrated, 3.8 ms in use
     at c=4); every draft cost moves by one factor towards the sample's ratio to its estimate, at
-    first by the running mean of the ratios, then at `cost_update_rate`. `free_tokens(T)`: how many more tokens a call of T can carry at (nearly) no cost;
-    the scheduler fills it with n-gram lookup drafts, which cost no drafter call.
+    first by the running mean of the ratios, then at `cost_update_rate` (with `shared_draft_call`,
+    one sample a round: the whole call, for its largest k). `free_tokens(T)`: how many more tokens
+    a call of T can carry at (nearly) no cost; the scheduler fills it with n-gram lookup drafts of
+    sequences held at AR.
     Output is unchanged by any choice: only how many tokens are verified."""
 
     def __init__(self, call_tokens: Sequence[int], call_cost_s: Sequence[float], draft_cost_s: Sequence[float],
                  explore_every: int = 16, max_explore_every: int = 128, probe_drafts: int = 2, probe_acceptance: float = 0.9,
                  cost_update_rate: float = 0.1, drift_rate: float = 0.3, prior_acceptance: float = 0.5,
-                 prior_strength: float = 2.0, decay: float = 0.95):
+                 prior_strength: float = 2.0, decay: float = 0.95, shared_draft_call: bool = False):
         if len(call_tokens) != len(call_cost_s) or not call_tokens or list(call_tokens) != sorted(set(call_tokens)):
             raise ValueError("call_tokens must be increasing, with one cost each")
         if call_tokens[0] < 1 or min(call_cost_s) <= 0 or len(draft_cost_s) < 1:
@@ -374,7 +385,9 @@ class BatchDraftPolicy:
         self.probe_acceptance = probe_acceptance
         self.cost_update_rate, self.drift_rate = cost_update_rate, drift_rate
         self.prior = (prior_acceptance, prior_strength, decay)
+        self.shared_draft_call = shared_draft_call
         self.population = DraftAcceptance(self.max_drafts, prior_acceptance, prior_strength, 0.999)
+        self.lookup_population = DraftAcceptance(self.max_drafts, prior_acceptance, prior_strength, 0.999)
         self.num_draft_samples = 0  # drafter calls observed: the first ones move the estimate most
 
     def call_cost(self, num_tokens) -> np.ndarray:
@@ -393,49 +406,75 @@ class BatchDraftPolicy:
         return int(extra[fits].max()) if fits.any() and fits[0] else 0
 
     def new_sequence(self) -> dict:
-        _, strength, decay = self.prior  # its prior: the first-draft acceptance of every sequence so far
+        _, strength, decay = self.prior  # its priors: the first-draft acceptance of every sequence so far
         estimate = DraftAcceptance(self.max_drafts, self.population.acceptance()[0], strength, decay)
-        return {"estimate": estimate, "ar_streak": 0, "explore_wait": self.explore_every}
+        lookup = DraftAcceptance(self.max_drafts, self.lookup_population.acceptance()[0], strength, decay)
+        return {"estimate": estimate, "lookup": lookup, "ar_streak": 0, "explore_wait": self.explore_every}
 
-    def choose(self, states: list[dict], caps: Sequence[int], fixed_tokens: int = 0) -> list[int]:
-        caps = [max(0, min(int(c), self.max_drafts)) for c in caps]
-        gains = [s["estimate"].expected_tokens()[: c + 1] for s, c in zip(states, caps)]
+    def drafting_cost(self, ks: Sequence[int], by_drafter: Sequence[bool]) -> float:
+        """Seconds of the round's drafter calls when sequence i verifies ks[i] drafts."""
+        costs = [float(self.draft_cost_s[k]) for k, d in zip(ks, by_drafter) if d and k]
+        return (max(costs) if self.shared_draft_call else sum(costs)) if costs else 0.0
+
+    def choose(self, states: list[dict], caps: Sequence[int], fixed_tokens: int = 0,
+               lookup: Sequence[int] | None = None) -> list[int]:
+        offers = [0] * len(states) if lookup is None else [max(0, int(n)) for n in lookup]
+        caps = [max(0, min(int(c), self.max_drafts, n or self.max_drafts)) for c, n in zip(caps, offers)]
+        by_drafter = [not n for n in offers]
+        gains = [s["estimate" if d else "lookup"].expected_tokens()[: c + 1].tolist()
+                 for s, c, d in zip(states, caps, by_drafter)]
+        # plain floats and tables: this runs every round, beside a target call of a few ms
+        call = self.call_cost(np.arange(fixed_tokens + len(caps) + sum(caps) + 1)).tolist()
+        draft = self.draft_cost_s.tolist()
+        shared = self.shared_draft_call
+
+        def drafting(ks):
+            costs = [draft[k] for k, d in zip(ks, by_drafter) if d and k]
+            return (max(costs) if shared else sum(costs)) if costs else 0.0
 
         def totals(ks):
-            return (fixed_tokens + len(ks) + sum(ks), sum(g[k] for g, k in zip(gains, ks)),
-                    float(sum(self.draft_cost_s[k] for k in ks)))
+            return fixed_tokens + len(ks) + sum(ks), sum(g[k] for g, k in zip(gains, ks)), drafting(ks)
 
         def climb(ks):
-            """(rate, ks) after taking the best single change k_i -> k' until none raises the rate."""
-            tokens, expected, drafting = totals(ks)
-            cost = float(self.call_cost(tokens)) + drafting
+            """(rate, ks) after taking the best single change until none raises the rate."""
+            tokens, expected, paid = totals(ks)
             while True:
-                best_rate, best = expected / cost, None
+                best_rate, best = expected / (call[tokens] + paid), None
                 for i, (k, cap) in enumerate(zip(ks, caps)):
-                    options = np.array([o for o in range(cap + 1) if o != k], dtype=np.int64)
-                    if not len(options):
-                        continue
-                    new_cost = (self.call_cost(tokens + options - k) + drafting
-                                + self.draft_cost_s[options] - self.draft_cost_s[k])
-                    rates = (expected + gains[i][options] - gains[i][k]) / new_cost
-                    j = int(np.argmax(rates))
-                    if rates[j] > best_rate * (1 + 1e-9):
-                        best_rate, best = rates[j], (i, int(options[j]))
+                    if not by_drafter[i]:
+                        others = None
+                    elif shared:
+                        others = max([draft[kj] for j, (kj, d) in enumerate(zip(ks, by_drafter)) if d and j != i], default=0.0)
+                    else:
+                        others = paid - draft[k]
+                    for o in range(cap + 1):
+                        if o == k:
+                            continue
+                        cost = paid if others is None else (max(others, draft[o]) if shared else others + draft[o])
+                        rate = (expected + gains[i][o] - gains[i][k]) / (call[tokens + o - k] + cost)
+                        if rate > best_rate * (1 + 1e-9):
+                            best_rate, best = rate, ((i, o),)
+                for i, j in itertools.permutations(range(len(ks)), 2):  # one draft moved: the same call size
+                    if ks[i] and ks[j] < caps[j]:
+                        moved = list(ks)
+                        moved[i], moved[j] = ks[i] - 1, ks[j] + 1
+                        gain = gains[i][ks[i] - 1] - gains[i][ks[i]] + gains[j][ks[j] + 1] - gains[j][ks[j]]
+                        rate = (expected + gain) / (call[tokens] + drafting(moved))
+                        if rate > best_rate * (1 + 1e-9):
+                            best_rate, best = rate, ((i, ks[i] - 1), (j, ks[j] + 1))
                 if best is None:
                     return best_rate, ks
-                i, k = best
-                tokens += k - ks[i]
-                expected += gains[i][k] - gains[i][ks[i]]
-                drafting += self.draft_cost_s[k] - self.draft_cost_s[ks[i]]
-                ks[i] = k
-                cost = float(self.call_cost(tokens)) + drafting
+                for i, k in best:
+                    tokens += k - ks[i]
+                    expected += gains[i][k] - gains[i][ks[i]]
+                    ks[i] = k
+                paid = drafting(ks)
 
         uniform = [[min(k, cap) for cap in caps] for k in range(max(caps, default=0) + 1)]
-        rates = [expected / (float(self.call_cost(tokens)) + drafting)
-                 for tokens, expected, drafting in map(totals, uniform)]
+        rates = [expected / (call[tokens] + paid) for tokens, expected, paid in map(totals, uniform)]
         best_uniform = uniform[int(np.argmax(rates))]
         rate, ks = max(climb([0] * len(caps)), climb(list(best_uniform)), key=lambda found: found[0])
-        tokens, expected, drafting = totals(ks)
+        tokens, expected, _ = totals(ks)
         for i, state in enumerate(states):
             if ks[i]:
                 state["ar_streak"], state["explore_wait"] = 0, self.explore_every
@@ -445,16 +484,18 @@ class BatchDraftPolicy:
                     state["ar_streak"] = 0
                     k = min(caps[i], self.probe_drafts)
                     hopeful = 1 + sum(self.probe_acceptance ** j for j in range(1, k + 1))
-                    if (expected - gains[i][0] + hopeful) / (float(self.call_cost(tokens + k)) + drafting
-                                                             + self.draft_cost_s[k]) <= rate:
+                    probe = list(ks)
+                    probe[i] = k
+                    if (expected - gains[i][0] + hopeful) / (call[tokens + k] + drafting(probe)) <= rate:
                         continue  # not even a drafter this good would pay in this batch: no probe
                     ks[i] = k
+                    tokens, expected = tokens + k, expected - gains[i][0] + gains[i][k]
                     state["explore_wait"] = min(2 * state["explore_wait"], self.max_explore_every)
         return ks
 
-    def observe(self, state: dict, num_drafted: int, num_accepted: int) -> None:
-        state["estimate"].observe(num_drafted, num_accepted)
-        self.population.observe(num_drafted, num_accepted)
+    def observe(self, state: dict, num_drafted: int, num_accepted: int, from_lookup: bool = False) -> None:
+        state["lookup" if from_lookup else "estimate"].observe(num_drafted, num_accepted)
+        (self.lookup_population if from_lookup else self.population).observe(num_drafted, num_accepted)
 
     def observe_draft(self, num_drafts: int, seconds: float) -> None:
         if not 1 <= num_drafts <= self.max_drafts or seconds <= 0 or self.draft_cost_s[num_drafts] <= 0:

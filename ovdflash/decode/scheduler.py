@@ -36,10 +36,11 @@ Contract:
 - Drafts per round: a sequence with a fixed block verifies block_size - 1 drafts (fewer near its
   limits); a `load_aware` one gets the drafts `draft_policy` (block_policy.BatchDraftPolicy; set
   it before adding such a request) chooses for the whole batch each round, 0..block_size - 1, from
-  the batch's cost curve and each sequence's acceptance; a sequence it holds at AR still verifies
-  its n-gram lookup drafts where the call has free room (`free_tokens`). The policy learns the
-  costs in use: each decode call's time (`observe_call`) and each drafter call it chose
-  (`observe_draft`). Either way a `draft_cut`
+  the batch's cost curve and each sequence's acceptance, a sequence whose n-gram lookup matches
+  weighed by the lookup's acceptance and no drafter call; a sequence it holds at AR still verifies
+  its lookup drafts where the call has free room (`free_tokens`). The policy learns the costs in
+  use: each decode call's time (`observe_call`) and each drafter call it chose (`observe_draft`;
+  a policy with `shared_draft_call` and a `propose_many` source: the round's one call). Either way a `draft_cut`
   may then verify fewer of the drafter's drafts, and output is unchanged.
 - Whole prompts (`max_num_batched_tokens` None): `prefill_batch_tokens` (None: every waiting prompt
   in one round) groups the prompts a round prefills, beside the verifies: earlier admitted first,
@@ -261,10 +262,15 @@ class Scheduler:
             seq.state.stats.draft_s += time.perf_counter() - t0
         args = [seq.state.drafter_call(self.target.committed(seq.request_id), k) for seq, k in calls]
         many = getattr(self.drafters, "propose_many", None)
+        shared = many is not None and getattr(self.draft_policy, "shared_draft_call", False)
         if many is not None and calls:
             t0 = time.perf_counter()
             proposals = many([(seq.state.drafter, *a) for (seq, _), a in zip(calls, args)])
-            shares = [(time.perf_counter() - t0) / len(calls)] * len(calls)
+            call_s = time.perf_counter() - t0
+            shares = [call_s / len(calls)] * len(calls)
+            chosen_ks = [k for seq, k in calls if seq.policy_state is not None]
+            if shared and chosen_ks:  # the policy's model of a shared call: one call, its largest k
+                self.draft_policy.observe_draft(max(chosen_ks), call_s)
         else:
             proposals, shares = [], []
             for (seq, _), a in zip(calls, args):
@@ -274,7 +280,7 @@ class Scheduler:
         for (seq, k), proposal, draft_s in zip(calls, proposals, shares):
             seq.drafts, seq.from_lookup = seq.state.drafted(proposal, k), False
             seq.state.stats.draft_s += draft_s
-            if seq.policy_state is not None:  # the policy's drafter call: its share of one call for all
+            if seq.policy_state is not None and not shared:  # the policy's drafter call, or its share of one
                 self.draft_policy.observe_draft(k, draft_s)
         return {seq.request_id: (seq.request_id, verify_ids(seq.state.last, seq.drafts), np.arange(len(seq.drafts) + 1))
                 for seq in seqs}
@@ -319,7 +325,9 @@ class Scheduler:
         # the prefills' chunks as they would be with every load-aware sequence at an AR step
         fixed = verify + sum(self._prefill_chunks(seqs, verify + len(aware)).values())
         caps = [self._room(s) - 1 for s in aware]
-        ks = self.draft_policy.choose([s.policy_state for s in aware], caps, fixed)
+        # a lookup match is drafts without a drafter call: the policy weighs them by the lookup's own acceptance
+        offers = [self._lookup_offer(s, cap) for s, cap in zip(aware, caps)]
+        ks = self.draft_policy.choose([s.policy_state for s in aware], caps, fixed, offers)
         chosen = {s.request_id: k for s, k in zip(aware, ks)}
         # lookup drafts cost no drafter call: where the call has free room, a sequence held at AR verifies them
         free = self.draft_policy.free_tokens(fixed + sum(k + 1 for k in ks))
@@ -330,6 +338,12 @@ class Scheduler:
                 chosen[s.request_id] = len(proposal)
                 free -= len(proposal)
         return chosen
+
+    @staticmethod
+    def _lookup_offer(seq: _Sequence, cap: int) -> int:
+        lookup = seq.state.lookup
+        found = lookup.propose(cap) if lookup is not None and cap >= 1 else None
+        return 0 if found is None else len(found)
 
     def _prefilled(self, seq: _Sequence, ids: np.ndarray, logits, feats, call_s: float) -> bool:
         """Commit a prompt chunk; at the prompt's end, begin the sequence's round state (True)."""
@@ -352,8 +366,8 @@ class Scheduler:
         accepted = seq.state.accept(seq.drafts, logits, feats, start, seq.from_lookup)
         kept = len(accepted) + 1  # the rejected slots are overwritten next call
         self.target.commit(seq.request_id, kept, ids[:kept], feats)
-        if seq.policy_state is not None and len(seq.drafts) and not seq.from_lookup:  # lookup says nothing of the drafter
-            self.draft_policy.observe(seq.policy_state, len(seq.drafts), len(accepted))
+        if seq.policy_state is not None and len(seq.drafts):  # each draft source teaches its own acceptance
+            self.draft_policy.observe(seq.policy_state, len(seq.drafts), len(accepted), seq.from_lookup)
         seq.state.stats.verify_s += call_s
         return accepted
 
