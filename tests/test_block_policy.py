@@ -586,7 +586,9 @@ def test_batch_policy_learns_the_cost_curve():
         policy.observe_call(4, 0.040)  # the machine runs 2x slower than calibrated
     assert float(policy.call_cost(4)) == pytest.approx(0.040, rel=0.05)
     assert float(policy.call_cost(1)) > 0.030  # the drift moved the whole curve
-    policy.observe_call(20, 0.090)  # past the measured sizes: a new point
+    policy.observe_call(20, 0.090)  # another size than the last call's: it teaches the switch cost only
+    assert policy.call_tokens[-1] == 8 and policy.switch_cost_s > 0
+    policy.observe_call(20, 0.090)  # past the measured sizes, repeated: a new point
     assert policy.call_tokens[-1] == 20
     assert policy.call_cost_s == sorted(policy.call_cost_s)
     with pytest.raises(ValueError, match="increasing"):
@@ -626,6 +628,28 @@ def test_batch_policy_drafts_for_all_where_no_single_draft_pays():
     assert batch_rate(policy, states, ks) > batch_rate(policy, states, [0] * 4)
     assert all(batch_rate(policy, states, [3 if j == i else 0 for j in range(4)]) < batch_rate(policy, states, [0] * 4)
                for i in range(4))  # the trap a climb from all-AR alone stops in
+
+
+def test_a_batch_steady_at_ar_pays_a_shape_switch_to_draft_and_learns_it_from_switched_calls():
+    """Four sequences at AR calls of 4 tokens; drafts that pay on the steady curve stop paying once a
+    call of another size is seen to cost 13 ms more, and lookup room is no longer free."""
+    call_ms = [33.0] * 16 + [33.0 + 3.0 * (t - 16) for t in range(17, 65)]
+    policy = batch_policy(call_ms, 0.3, draft_ms=2.0, max_drafts=3)
+    policy.shared_draft_call = True
+    states = [policy.new_sequence() for _ in range(4)]
+    for _ in range(3):
+        policy.observe_call(4, 0.033)
+    assert policy.switch_cost_s == 0.0 and sum(policy.choose(states, [3] * 4)) > 0
+    assert policy.free_tokens(4) > 0
+    policy.observe_call(8, 0.033 + 0.013)  # the first switched call teaches the whole excess
+    assert policy.switch_cost_s == pytest.approx(0.013, rel=0.05)
+    assert float(policy.call_cost(8)) == pytest.approx(0.033)  # and leaves the steady curve alone
+    policy.saw_call(4)  # e.g. a prefill: not learnt from, but the next call's shape follows it
+    assert policy.last_tokens == 4
+    assert policy.choose(states, [3] * 4) == [0, 0, 0, 0]
+    assert policy.free_tokens(4) == 0
+    policy.saw_call(12)  # after a call of 12 tokens, staying at 12 pays no switch
+    assert sum(policy.choose(states, [3] * 4)) > 0
 
 
 def test_new_sequences_start_from_the_acceptance_seen_so_far():

@@ -356,7 +356,12 @@ class BatchDraftPolicy:
     is chosen), so its estimate does not freeze, but only where drafts accepted at
     `probe_acceptance` each would raise the batch's rate: where the call curve and the drafter's
     cost rule drafting out (a full batch on a compute-bound host), a probe only costs.
-    `observe_call(tokens, seconds)` learns the cost
+    A call whose size differs from the last call's costs `switch_cost_s` more (the plugin's first
+    call in a new input shape; docs/BENCHMARKS.md, "Load-aware drafts priced by what a round
+    runs"), and a draft that changes the size pays it, so a batch steady at
+    AR drafts only where that pays too; `observe_call` learns it from the calls that switched
+    (their excess over the curve, the first one all the way), `saw_call(tokens)` notes a call it
+    does not learn from (a prefill). `observe_call(tokens, seconds)` learns the cost
     curve in use, as BlockPolicy.observe_round does (a drift of every cost, draft costs too, then
     the point). `observe_draft(k, seconds)` learns what drafter calls cost in use: the calibration
     times calls with no context to catch up and shapes already met, but a sequence that drafts
@@ -372,7 +377,8 @@ class BatchDraftPolicy:
     def __init__(self, call_tokens: Sequence[int], call_cost_s: Sequence[float], draft_cost_s: Sequence[float],
                  explore_every: int = 16, max_explore_every: int = 128, probe_drafts: int = 2, probe_acceptance: float = 0.9,
                  cost_update_rate: float = 0.1, drift_rate: float = 0.3, prior_acceptance: float = 0.5,
-                 prior_strength: float = 2.0, decay: float = 0.95, shared_draft_call: bool = False):
+                 prior_strength: float = 2.0, decay: float = 0.95, shared_draft_call: bool = False,
+                 switch_cost_s: float = 0.0):
         if len(call_tokens) != len(call_cost_s) or not call_tokens or list(call_tokens) != sorted(set(call_tokens)):
             raise ValueError("call_tokens must be increasing, with one cost each")
         if call_tokens[0] < 1 or min(call_cost_s) <= 0 or len(draft_cost_s) < 1:
@@ -386,6 +392,7 @@ class BatchDraftPolicy:
         self.cost_update_rate, self.drift_rate = cost_update_rate, drift_rate
         self.prior = (prior_acceptance, prior_strength, decay)
         self.shared_draft_call = shared_draft_call
+        self.switch_cost_s, self.last_tokens, self.num_switch_samples = float(switch_cost_s), None, 0
         self.population = DraftAcceptance(self.max_drafts, prior_acceptance, prior_strength, 0.999)
         self.lookup_population = DraftAcceptance(self.max_drafts, prior_acceptance, prior_strength, 0.999)
         self.num_draft_samples = 0  # drafter calls observed: the first ones move the estimate most
@@ -399,11 +406,18 @@ class BatchDraftPolicy:
 
     def free_tokens(self, num_tokens: int, tolerance: float = 0.03) -> int:
         """How many tokens a call of num_tokens can take on for at most `tolerance` more time (the
-        flat, memory-bound stretch of the curve)."""
-        base = float(self.call_cost(num_tokens)) * (1 + tolerance)
+        flat, memory-bound stretch of the curve, a shape switch counted)."""
+        base = self.costs_with_switch(np.array([num_tokens]))[0] * (1 + tolerance)
         extra = np.arange(1, self.max_drafts * 8 + 1)
-        fits = self.call_cost(num_tokens + extra) <= base
+        fits = self.costs_with_switch(num_tokens + extra) <= base
         return int(extra[fits].max()) if fits.any() and fits[0] else 0
+
+    def costs_with_switch(self, num_tokens: np.ndarray) -> np.ndarray:
+        """call_cost of each size, plus `switch_cost_s` where it is not the last call's size."""
+        costs = self.call_cost(num_tokens)
+        if self.last_tokens is None:
+            return costs
+        return costs + np.where(np.asarray(num_tokens) != self.last_tokens, self.switch_cost_s, 0.0)
 
     def new_sequence(self) -> dict:
         _, strength, decay = self.prior  # its priors: the first-draft acceptance of every sequence so far
@@ -424,7 +438,7 @@ class BatchDraftPolicy:
         gains = [s["estimate" if d else "lookup"].expected_tokens()[: c + 1].tolist()
                  for s, c, d in zip(states, caps, by_drafter)]
         # plain floats and tables: this runs every round, beside a target call of a few ms
-        call = self.call_cost(np.arange(fixed_tokens + len(caps) + sum(caps) + 1)).tolist()
+        call = self.costs_with_switch(np.arange(fixed_tokens + len(caps) + sum(caps) + 1)).tolist()
         draft = self.draft_cost_s.tolist()
         shared = self.shared_draft_call
 
@@ -505,8 +519,20 @@ class BatchDraftPolicy:
         self.num_draft_samples += 1
         self.draft_cost_s = self.draft_cost_s * (1 + rate * (ratio - 1))
 
+    def saw_call(self, num_tokens: int) -> None:
+        """A target call the policy does not learn from (a prefill's): the next call's shape follows it."""
+        self.last_tokens = int(num_tokens)
+
     def observe_call(self, num_tokens: int, seconds: float) -> None:
         estimate = float(self.call_cost(num_tokens))
+        if self.last_tokens is not None and num_tokens != self.last_tokens:  # a switched call: its excess
+            self.last_tokens = int(num_tokens)
+            excess = min(max(seconds - estimate, 0.0), estimate)
+            rate = max(self.cost_update_rate, 1 / (1 + self.num_switch_samples)) if self.cost_update_rate else 0.0
+            self.num_switch_samples += 1
+            self.switch_cost_s += rate * (excess - self.switch_cost_s)
+            return
+        self.last_tokens = int(num_tokens)
         sample = min(max(seconds, 0.5 * estimate), 2.0 * estimate)
         drift = (sample / estimate) ** self.drift_rate  # the whole machine got slower or faster
         self.call_cost_s = [c * drift for c in self.call_cost_s]

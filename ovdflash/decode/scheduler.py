@@ -231,6 +231,8 @@ class Scheduler:
         self.num_batched_sequences += len(batch)
         if chosen and not chunks:  # a prefill's cost is not a verify's
             self.draft_policy.observe_call(num_tokens, call_s)
+        elif self.draft_policy is not None:
+            self.draft_policy.saw_call(num_tokens)
         events = []
         for seq, (_, ids, _), (logits, feats) in zip(seqs, batch, outputs):
             if seq.prefilled:
