@@ -348,12 +348,13 @@ class BatchDraftPolicy:
     min(k, cap_i): the curve can step up where the runner changes kernels, so no single sequence's
     draft pays on its own while all of them do), then repeatedly takes the one change that raises
     that rate most (one k_i -> k', or one draft moved from one sequence to another: the same call
-    size, across a cliff of the curve), and stops when none does; all-AR stays a choice. Each sequence's
-    acceptance is its own `DraftAcceptance` (`new_sequence()`, `observe(state, drafted,
+    size, across a cliff of the curve), and stops when none does; all-AR stays a choice. Each
+    sequence's acceptance is its own `DraftAcceptance` (`new_sequence()`, `observe(state, drafted,
     accepted, from_lookup)`: the lookup's rounds teach its own estimate), whose prior is the
-    first-draft acceptance of every sequence observed so far (`population`, `lookup_population`). A sequence held at AR for `explore_every` rounds probes
-    with `probe_drafts` drafts (the wait doubles up to `max_explore_every`, reset when drafting
-    is chosen), so its estimate does not freeze, but only where drafts accepted at
+    first-draft acceptance of every sequence observed so far (`population`, `lookup_population`).
+    A sequence held at AR for `explore_every` rounds probes with `probe_drafts` drafts (the wait
+    doubles up to `max_explore_every`, reset when drafting is chosen), so its estimate does not
+    freeze, but only where drafts accepted at
     `probe_acceptance` each would raise the batch's rate: where the call curve and the drafter's
     cost rule drafting out (a full batch on a compute-bound host), a probe only costs.
     A call whose size differs from the last call's costs `switch_cost_s` more (the plugin's first
@@ -458,7 +459,8 @@ class BatchDraftPolicy:
                     if not by_drafter[i]:
                         others = None
                     elif shared:
-                        others = max([draft[kj] for j, (kj, d) in enumerate(zip(ks, by_drafter)) if d and j != i], default=0.0)
+                        others = max([draft[kj] for j, (kj, d) in enumerate(zip(ks, by_drafter)) if d and j != i],
+                                     default=0.0)
                     else:
                         others = paid - draft[k]
                     for o in range(cap + 1):

@@ -39,9 +39,10 @@ Contract:
   the batch's cost curve and each sequence's acceptance, a sequence whose n-gram lookup matches
   weighed by the lookup's acceptance and no drafter call; a sequence it holds at AR still verifies
   its lookup drafts where the call has free room (`free_tokens`). The policy learns the costs in
-  use: each decode call's time (`observe_call`) and each drafter call it chose (`observe_draft`;
-  a policy with `shared_draft_call` and a `propose_many` source: the round's one call). Either way a `draft_cut`
-  may then verify fewer of the drafter's drafts, and output is unchanged.
+  use: each decode call's time (`observe_call`; the other calls' sizes, `saw_call`) and each
+  drafter call it chose (`observe_draft`; a policy with `shared_draft_call` and a `propose_many`
+  source: the round's one call). Either way a `draft_cut` may then verify fewer of the drafter's
+  drafts, and output is unchanged.
 - Whole prompts (`max_num_batched_tokens` None): `prefill_batch_tokens` (None: every waiting prompt
   in one round) groups the prompts a round prefills, beside the verifies: earlier admitted first,
   shortest first among those admitted together, while their sum stays within it (the first always
