@@ -426,9 +426,11 @@ class BatchDraftPolicy:
         lookup = DraftAcceptance(self.max_drafts, self.lookup_population.acceptance()[0], strength, decay)
         return {"estimate": estimate, "lookup": lookup, "ar_streak": 0, "explore_wait": self.explore_every}
 
-    def drafting_cost(self, ks: Sequence[int], by_drafter: Sequence[bool]) -> float:
-        """Seconds of the round's drafter calls when sequence i verifies ks[i] drafts."""
-        costs = [float(self.draft_cost_s[k]) for k, d in zip(ks, by_drafter) if d and k]
+    def drafting_cost(self, ks: Sequence[int], by_drafter: Sequence[bool], draft_cost_s=None) -> float:
+        """Seconds of the round's drafter calls when sequence i verifies ks[i] drafts (`draft_cost_s`:
+        `self.draft_cost_s` as a list, for a caller that asks many times)."""
+        draft = self.draft_cost_s.tolist() if draft_cost_s is None else draft_cost_s
+        costs = [draft[k] for k, d in zip(ks, by_drafter) if d and k]
         return (max(costs) if self.shared_draft_call else sum(costs)) if costs else 0.0
 
     def choose(self, states: list[dict], caps: Sequence[int], fixed_tokens: int = 0,
@@ -444,8 +446,7 @@ class BatchDraftPolicy:
         shared = self.shared_draft_call
 
         def drafting(ks):
-            costs = [draft[k] for k, d in zip(ks, by_drafter) if d and k]
-            return (max(costs) if shared else sum(costs)) if costs else 0.0
+            return self.drafting_cost(ks, by_drafter, draft)
 
         def totals(ks):
             return fixed_tokens + len(ks) + sum(ks), sum(g[k] for g, k in zip(gains, ks)), drafting(ks)
@@ -456,6 +457,7 @@ class BatchDraftPolicy:
             while True:
                 best_rate, best = expected / (call[tokens] + paid), None
                 for i, (k, cap) in enumerate(zip(ks, caps)):
+                    # drafting_cost with k_i -> o, from the others' part once per i: this loop is the hot one
                     if not by_drafter[i]:
                         others = None
                     elif shared:
