@@ -6,7 +6,8 @@ Contract:
   the manifest, compiles the pair with CACHE_DIR set (`DEFAULT_CACHE_DIR` unless given), times the
   paged target's f32-weight copy where it has one (then compiles its narrow target afresh:
   `OVPagedTarget.recompile_narrow`; the result is kept per `calibration_host`, so a later load
-  on the same host reads it instead), builds `cls(...)` and, with
+  on the same host reads it instead, and does not even compile a copy that never pays there),
+  builds `cls(...)` and, with
   `release_weight_pages`, primes it and drops the mapped weight pages.
 - `release_weight_pages(pipe) -> int` runs every kernel shape once (a prefill, a verify, an AR
   step), leaves the runners, the prefix cache and the stats as they were, then drops the resident
@@ -104,18 +105,31 @@ def from_pretrained(cls, model_dir: str | Path | None = None, device: str = "CPU
     target_runner = parse_target_runner(target_runner or manifest["target_runner"])
     config, numerics = compile_config(manifest, compile_options, precision, target_runner)
     config.setdefault("CACHE_DIR", str(cache_dir or DEFAULT_CACHE_DIR))
+    def keep_checkpoints(target) -> None:
+        linear = getattr(target, "linear", None)
+        if linear is not None:  # a verify of a whole block must keep a linear-attention state per token
+            linear.max_checkpoints = max(linear.max_checkpoints, int(manifest["block_size"]))
+
+    skipped_copy = []
+
+    def copy_never_pays(target, wide_xml) -> bool:  # this host's stored calibration says so: compile no copy
+        keep_checkpoints(target)  # the calibration's sizes depend on it
+        skipped_copy.append(wide_weights.cached_wide_from(wide_xml, calibration_host(target, device, config))
+                            == (True, None))
+        return skipped_copy[-1]
+
     target, drafter = compile_runners(model_dir, manifest, device, config, with_drafter=draft,
-                                      use_draft_vocab=use_draft_vocab,
-                                      target_runner=target_runner, wide_target=wide_target)
-    linear = getattr(target, "linear", None)
-    if linear is not None:  # a verify of a whole block must keep a linear-attention state per token
-        linear.max_checkpoints = max(linear.max_checkpoints, int(manifest["block_size"]))
+                                      use_draft_vocab=use_draft_vocab, target_runner=target_runner,
+                                      wide_target=wide_target, skip_wide=copy_never_pays)
+    keep_checkpoints(target)
     wide_xml = wide_copy_ir(target)
-    if wide_xml is not None:  # which call sizes the f32-weight copy runs: measured once per host
+    # the IR pages go as each shape's repacking read them
+    release = (lambda: release_mapped_files(weight_files(model_dir, target))) if release_weight_pages else None
+    if any(skipped_copy):  # each calibration size once, as a load that compiled and dropped the copy did
+        target.warm_calls(release_pages=release)
+    elif wide_xml is not None:  # which call sizes the f32-weight copy runs: measured once per host
         host = calibration_host(target, device, config)
         found, wide_from = wide_weights.cached_wide_from(wide_xml, host)
-        # the IR pages go as each shape's repacking read them
-        release = (lambda: release_mapped_files(weight_files(model_dir, target))) if release_weight_pages else None
         if found:
             target.use_wide_from(wide_from)
             target.narrow_compiler = None

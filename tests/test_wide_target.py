@@ -253,7 +253,15 @@ def test_the_calibration_is_kept_per_host_and_read_back_by_later_loads(fp16_pair
     ar = [e.token for e in again.generate_tokens(prompt, 16, draft=False, eos_token_ids=[])]
     assert [e.token for e in again.generate_tokens(prompt, 16, block_size=4, eos_token_ids=[])] == ar
     files[0].write_text(json.dumps({host: None}))
-    assert load().target.wide_request is None and not calibrations
+    compiled = []
+    real_compile = ov.Core.compile_model
+    monkeypatch.setattr(ov.Core, "compile_model",
+                        lambda self, model, *a, **k: compiled.append(model) or real_compile(self, model, *a, **k))
+    never = load()
+    assert never.target.wide_request is None and never.target.wide_xml is None and not calibrations
+    assert len(compiled) == 2 and warmed == [1, 1]  # target and drafter only: a copy that never pays is not built
+    assert [e.token for e in never.generate_tokens(prompt, 16, block_size=4, eos_token_ids=[])] == ar
+    monkeypatch.setattr(ov.Core, "compile_model", real_compile)
     for bad in ("not json", json.dumps({host: 0}), json.dumps({host: True}), json.dumps({"another host": 5})):
         files[0].write_text(bad)
         load()

@@ -15,8 +15,8 @@ Contract:
 - `compile_runners(..., target_runner=)` picks the target runner (`ovdflash.TARGET_RUNNERS`):
   "paged" (the default) applies openvino's paged-attention transformation before the runtime
   graph edits (`runtime_target_graph`) and returns an `OVPagedTarget`, with an f32-weight copy
-  for wide calls where `ov.wide_target` wants one (the copy's file pages dropped once it is
-  compiled); "stateful" keeps the exported IR: `OVTarget`; "hybrid" exactly when the manifest
+  for wide calls where `ov.wide_target` wants one and `skip_wide` (the loader's stored calibration)
+  does not rule it out before it is compiled (the copy's file pages dropped once it is compiled); "stateful" keeps the exported IR: `OVTarget`; "hybrid" exactly when the manifest
   names it (`ov.hybrid`).
 - `read_ir(core, xml, role)`: `core.read_model` with a one-line error naming the file.
 """
@@ -114,12 +114,13 @@ def runtime_target_graph(target_model: ov.Model, manifest: dict, target_runner: 
 def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", config: dict | None = None,
                     with_drafter: bool = True, core: ov.Core | None = None, use_draft_vocab: bool = True,
                     target_runner: str = DEFAULT_TARGET_RUNNER, wide_target: bool | None = None,
-                    **target_options) -> tuple[OVTarget | OVPagedTarget, OVDrafter | None]:
+                    skip_wide=None, **target_options) -> tuple[OVTarget | OVPagedTarget, OVDrafter | None]:
     """Read, adapt and compile the pair. `config` goes to compile_model (CACHE_DIR included).
     `target_runner` (`TARGET_RUNNERS`): "stateful" (OVTarget) or "paged" (OVPagedTarget); "hybrid"
     (ovdflash.ov.hybrid.HybridTarget) exactly when the manifest names it (a linear-attention target).
     `wide_target` (None: auto): a paged target with f16 weights under f32 inference is compiled a
-    second time from f32 weights for its wide calls (`OVPagedTarget`'s `wide`, ovdflash.ov.wide_target)."""
+    second time from f32 weights for its wide calls (`OVPagedTarget`'s `wide`, ovdflash.ov.wide_target),
+    unless `skip_wide(target, wide_xml)` (called with the narrow target built) says it never pays here."""
     target_runner = parse_target_runner(target_runner)
     if target_runner not in runners_for(manifest):
         raise ValueError(f"target runner {target_runner!r} does not fit this target "
@@ -154,19 +155,19 @@ def compile_runners(model_dir: str | Path, manifest: dict, device: str = "CPU", 
         runtime_target_graph(target_model, manifest, target_runner)
         compiled_target = core.compile_model(target_model, device, target_config)
         if target_runner == "paged":
-            wide, wide_xml = None, None
+            target = OVPagedTarget(compiled_target, max_length, **target_options)
             if target_config.get("INFERENCE_PRECISION_HINT", "f32") in ("f32", "fp32") \
                     and graphs.f16_weight_converts(target_model) \
                     and wide_weights.wanted((model_dir / TARGET_XML).with_suffix(".bin"), wide_target):
                 wide_xml = wide_weights.f32_weights_ir(model_dir / TARGET_XML, (config or {}).get("CACHE_DIR"))
-                wide_model = runtime_target_graph(read_ir(core, wide_xml, "f32-weight target"), manifest, "paged")
-                wide = core.compile_model(wide_model, device, target_config)
-                # compiling copied its weights: drop the f32 file's pages now, not after both targets ran
-                release_mapped_files([wide_xml.with_suffix(".bin")])
-            target = OVPagedTarget(compiled_target, max_length, wide=wide, **target_options)
-            target.wide_xml = wide_xml
-            if wide is not None:  # for recompile_narrow after the calibration
-                target.narrow_compiler = lambda: core.compile_model(target_model, device, target_config)
+                if skip_wide is None or not skip_wide(target, wide_xml):
+                    wide_model = runtime_target_graph(read_ir(core, wide_xml, "f32-weight target"), manifest, "paged")
+                    target.attach_wide(core.compile_model(wide_model, device, target_config))
+                    # compiling copied its weights: drop the f32 file's pages now, not after both targets ran
+                    release_mapped_files([wide_xml.with_suffix(".bin")])
+                    target.wide_xml = wide_xml
+                    # for recompile_narrow after the calibration
+                    target.narrow_compiler = lambda: core.compile_model(target_model, device, target_config)
         else:
             target = OVTarget(compiled_target, max_length, seq_axes, **target_options)
     if with_drafter:

@@ -12,7 +12,8 @@ Contract:
     `num_cache_grows`);
   * the requests: `request`, and `wide_request` on `wide`, the target's f32-weight copy, for calls of
     `wide_from` tokens or more (`request_for`, `num_wide_calls`, `last_request`, `drop_wide`;
-    `wide_compiled`, `wide_xml` for ovdflash.ov.memory); `renew_narrow(compiled)` moves the
+    `wide_compiled`, `wide_xml` for ovdflash.ov.memory; `attach_wide` adds a copy compiled after
+    the target); `renew_narrow(compiled)` moves the
     narrow request onto a fresh compile of the same target;
   * `run_flat(...)`: one inference of a flattened call (the tokens of every sequence one after
     another, with the paged inputs that place them) through `run_request`, and `outputs()`: the
@@ -91,8 +92,7 @@ class PagedKV:
         self.block_tokens = block_tokens_of(self.cache_inputs)
         self.bytes_per_block = bytes_per_block(self.cache_inputs)
         self.request = compiled.create_infer_request()
-        self.wide_compiled = wide
-        self.wide_request = wide_request_of(wide, self.cache_inputs)
+        self.wide_compiled = self.wide_request = None
         self.wide_from = wide_from
         self.wide_xml: Path | None = None  # the copy's IR file, for ovdflash.ov.memory
         self.num_wide_calls = 0
@@ -105,9 +105,19 @@ class PagedKV:
         # a hybrid target's linear-attention states: per-sequence slots beside the KV blocks
         self.linear = LinearStateSlots(compiled) if state_table_inputs(compiled) else None
         if self.linear is not None:
-            if wide is not None and state_table_inputs(wide) != self.linear.table_inputs:
-                raise ValueError("the wide target's linear-attention state tables differ from the target's")
-            self.linear.bind(self.request, self.wide_request)
+            self.linear.bind(self.request)
+        if wide is not None:
+            self.attach_wide(wide)
+
+    def attach_wide(self, wide: ov.CompiledModel) -> None:
+        """Run calls of `wide_from` tokens or more on `wide`, the target's f32-weight copy, from now on."""
+        if self.linear is not None and state_table_inputs(wide) != self.linear.table_inputs:
+            raise ValueError("the wide target's linear-attention state tables differ from the target's")
+        self.wide_compiled, self.wide_request = wide, wide_request_of(wide, self.cache_inputs)
+        for name, tensor in self.caches.items():
+            self.wide_request.set_tensor(name, tensor)
+        if self.linear is not None:
+            self.linear.bind(self.wide_request)
 
     def _grow(self, num_blocks: int) -> None:
         grow_rows(self.caches, self.cache_inputs, self.num_blocks, num_blocks)
