@@ -453,12 +453,15 @@ def test_auto_without_a_drafter_is_plain_autoregressive(tiny_pair, tmp_path):
 # -- several sequences per call --------------------------------------------------------------------
 def batch_rate(policy, states, ks, fixed=0, lookup=None):
     """The batch's expected tokens per second, written out: lookup drafts call no drafter; drafter calls
-    cost each their own, or (shared) the largest one for all."""
+    cost each their own, or (shared) the largest one for all; a call of another size than the last
+    one switches, and one of another size than this round's AR size switches back."""
     offers = lookup or [0] * len(ks)
     expected = sum(s["lookup" if n else "estimate"].expected_tokens()[k] for s, k, n in zip(states, ks, offers))
     drafter = [policy.draft_cost_s[k] for k, n in zip(ks, offers) if not n and k]
     drafting = (max(drafter) if policy.shared_draft_call else sum(drafter)) if drafter else 0.0
-    return expected / (float(policy.call_cost(fixed + sum(k + 1 for k in ks))) + drafting)
+    size, last = fixed + sum(k + 1 for k in ks), policy.last_tokens
+    switches = 0 if last is None else (size != last) + (size != fixed + len(ks))
+    return expected / (float(policy.call_cost(size)) + switches * policy.switch_cost_s + drafting)
 
 
 def batch_policy(call_ms, p, draft_ms=4.0, max_drafts=7):
@@ -470,9 +473,11 @@ def batch_policy(call_ms, p, draft_ms=4.0, max_drafts=7):
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_batch_policy_is_near_brute_force_and_never_below_all_ar(shared):
-    """Random curves, acceptances, caps and lookup offers; drafter calls each paid, or one shared call."""
+    """Random curves, acceptances, caps, lookup offers and shape switches (none yet, from the AR size,
+    from another size); drafter calls each paid, or one shared call."""
     import itertools
     rng = np.random.default_rng(0 + shared)
+    near = 0
     for trial in range(60):
         # a random nondecreasing cost curve over 1..24 tokens, flat stretches and cliffs
         call_ms = np.cumsum(rng.choice([0.0, 0.5, 3.0, 12.0], size=24, p=[0.4, 0.3, 0.2, 0.1])) + 20.0
@@ -487,13 +492,18 @@ def test_batch_policy_is_near_brute_force_and_never_below_all_ar(shared):
             s["lookup"].prior_acceptance = float(rng.uniform(0.05, 0.95))
         caps = [int(c) for c in rng.integers(0, 4, size=n)]
         offers = [int(o) for o in rng.choice([0, 0, 1, 2, 3], size=n)]
-        ks = policy.choose(states, caps, fixed_tokens=0, lookup=offers)
+        fixed = int(rng.integers(0, 3))
+        policy.switch_cost_s = float(rng.choice([0.0, rng.uniform(0, 0.015)]))
+        policy.last_tokens = [None, fixed + n, fixed + n + int(rng.integers(1, 8))][trial % 3]
+        ks = policy.choose(states, caps, fixed_tokens=fixed, lookup=offers)
         assert all(0 <= k <= min(c, o or c) for k, c, o in zip(ks, caps, offers)), (ks, caps, offers)
-        best = max(batch_rate(policy, states, combo, lookup=offers)
+        best = max(batch_rate(policy, states, combo, fixed, offers)
                    for combo in itertools.product(*[range(min(c, o or c) + 1) for c, o in zip(caps, offers)]))
-        got = batch_rate(policy, states, ks, lookup=offers)
-        assert got >= batch_rate(policy, states, [0] * n) * (1 - 1e-9), trial  # never below all-AR
-        assert got >= 0.95 * best, (trial, ks, caps, offers)
+        got = batch_rate(policy, states, ks, fixed, offers)
+        assert got >= batch_rate(policy, states, [0] * n, fixed, offers) * (1 - 1e-9), trial  # never below all-AR
+        assert got >= 0.85 * best, (trial, ks, caps, offers, policy.last_tokens)
+        near += got >= 0.95 * best
+    assert near >= 58  # a local search: a rare batch ends on a lower peak (about 1 in 300 below 95 %)
 
 
 def test_one_shared_drafter_call_lets_every_sequence_draft_where_separate_calls_would_not():
@@ -648,8 +658,29 @@ def test_a_batch_steady_at_ar_pays_a_shape_switch_to_draft_and_learns_it_from_sw
     assert policy.last_tokens == 4
     assert policy.choose(states, [3] * 4) == [0, 0, 0, 0]
     assert policy.free_tokens(4) == 0
-    policy.saw_call(12)  # after a call of 12 tokens, staying at 12 pays no switch
+    policy.saw_call(12)  # after a call of 12 tokens, going back to 4 switches too: the steady curve decides
     assert sum(policy.choose(states, [3] * 4)) > 0
+
+
+def test_leaving_the_ar_size_for_a_lookup_match_pays_the_switch_back_too():
+    """Four sequences steady at AR calls of 4 tokens (33 ms, 13 ms more after a size change); one
+    sequence's lookup offers 3 drafts it gets right 80 % of the time: 1.95 more tokens, worth one
+    switch but not the two a one-round trip costs. Away from the AR size (after a call of 7), going
+    back costs a switch as well, so there the lookup drafts pay; a third size pays two."""
+    call_ms = [33.0] * 16 + [33.0 + 3.0 * (t - 16) for t in range(17, 65)]
+    policy = batch_policy(call_ms, 0.3, draft_ms=30.0, max_drafts=3)
+    policy.switch_cost_s = 0.013
+    states = [policy.new_sequence() for _ in range(4)]
+    states[0]["lookup"].prior_acceptance = 0.8
+    offers = [3, 0, 0, 0]
+    policy.saw_call(4)
+    assert policy.choose(states, [3] * 4, 0, offers) == [0, 0, 0, 0]
+    assert batch_rate(policy, states, [3, 0, 0, 0], 0, offers) < batch_rate(policy, states, [0] * 4, 0, offers)
+    assert float(policy.costs_with_switch(np.array([7]), 4)[0]) == pytest.approx(0.033 + 2 * 0.013)
+    assert policy.free_tokens(4) == 0
+    policy.saw_call(7)
+    assert policy.choose(states, [3] * 4, 0, offers) == [3, 0, 0, 0]
+    assert policy.costs_with_switch(np.array([4, 7, 9]), 4).tolist() == pytest.approx([0.046, 0.046, 0.059])
 
 
 def test_new_sequences_start_from_the_acceptance_seen_so_far():

@@ -344,9 +344,10 @@ class BatchDraftPolicy:
     the drafter calls; `lookup[i]` > 0 says sequence i's n-gram lookup offers that many drafts this
     round, so its options are 0..min(caps[i], lookup[i]) lookup drafts, judged by its lookup
     acceptance, with no drafter call (lookup drafts first, as a fixed block takes them). It starts
-    from the best of all-AR and every uniform k (each sequence
-    min(k, cap_i): the curve can step up where the runner changes kernels, so no single sequence's
-    draft pays on its own while all of them do), then repeatedly takes the one change that raises
+    from all-AR, the best uniform k (each sequence min(k, cap_i): the curve can step up where the
+    runner changes kernels, so no single sequence's draft pays on its own while all of them do) and
+    drafts spread to the last call's size (no switch there), and the best uniform k on the curve
+    without switches; from each it repeatedly takes the one change that raises
     that rate most (one k_i -> k', or one draft moved from one sequence to another: the same call
     size, across a cliff of the curve), and stops when none does; all-AR stays a choice. Each
     sequence's acceptance is its own `DraftAcceptance` (`new_sequence()`, `observe(state, drafted,
@@ -359,8 +360,9 @@ class BatchDraftPolicy:
     cost rule drafting out (a full batch on a compute-bound host), a probe only costs.
     A call whose size differs from the last call's costs `switch_cost_s` more (the plugin's first
     call in a new input shape; docs/BENCHMARKS.md, "Load-aware drafts priced by what a round
-    runs"), and a draft that changes the size pays it, so a batch steady at
-    AR drafts only where that pays too; `observe_call` learns it from the calls that switched
+    runs"), and a draft that changes the size pays it; a size other than the round's AR size pays
+    one more, the way back (a lookup match's round takes it at once), so a batch steady at AR
+    drafts only where that pays too; `observe_call` learns it from the calls that switched
     (their excess over the curve, the first one all the way), `saw_call(tokens)` notes a call it
     does not learn from (a prefill). `observe_call(tokens, seconds)` learns the cost
     curve in use, as BlockPolicy.observe_round does (a drift of every cost, draft costs too, then
@@ -405,20 +407,26 @@ class BatchDraftPolicy:
         inside = np.interp(num_tokens, tokens, costs)
         return np.where(num_tokens > tokens[-1], costs[-1] + slope * (num_tokens - tokens[-1]), inside)
 
-    def free_tokens(self, num_tokens: int, tolerance: float = 0.03) -> int:
+    def free_tokens(self, num_tokens: int, home: int | None = None, tolerance: float = 0.03) -> int:
         """How many tokens a call of num_tokens can take on for at most `tolerance` more time (the
-        flat, memory-bound stretch of the curve, a shape switch counted)."""
-        base = self.costs_with_switch(np.array([num_tokens]))[0] * (1 + tolerance)
+        flat, memory-bound stretch of the curve, shape switches counted as in costs_with_switch;
+        `home` defaults to num_tokens)."""
+        home = num_tokens if home is None else home
+        base = self.costs_with_switch(np.array([num_tokens]), home)[0] * (1 + tolerance)
         extra = np.arange(1, self.max_drafts * 8 + 1)
-        fits = self.costs_with_switch(num_tokens + extra) <= base
+        fits = self.costs_with_switch(num_tokens + extra, home) <= base
         return int(extra[fits].max()) if fits.any() and fits[0] else 0
 
-    def costs_with_switch(self, num_tokens: np.ndarray) -> np.ndarray:
-        """call_cost of each size, plus `switch_cost_s` where it is not the last call's size."""
+    def costs_with_switch(self, num_tokens: np.ndarray, home: int | None = None) -> np.ndarray:
+        """call_cost of each size, plus `switch_cost_s` where it is not the last call's size, and
+        once more where it is not `home` (the round's size without drafts, which the batch returns
+        to: a lookup match's round switches out and back)."""
         costs = self.call_cost(num_tokens)
         if self.last_tokens is None:
             return costs
-        return costs + np.where(np.asarray(num_tokens) != self.last_tokens, self.switch_cost_s, 0.0)
+        sizes = np.asarray(num_tokens)
+        switches = (sizes != self.last_tokens).astype(np.float64) + (0.0 if home is None else sizes != home)
+        return costs + switches * self.switch_cost_s
 
     def new_sequence(self) -> dict:
         _, strength, decay = self.prior  # its priors: the first-draft acceptance of every sequence so far
@@ -441,7 +449,9 @@ class BatchDraftPolicy:
         gains = [s["estimate" if d else "lookup"].expected_tokens()[: c + 1].tolist()
                  for s, c, d in zip(states, caps, by_drafter)]
         # plain floats and tables: this runs every round, beside a target call of a few ms
-        call = self.costs_with_switch(np.arange(fixed_tokens + len(caps) + sum(caps) + 1)).tolist()
+        sizes = np.arange(fixed_tokens + len(caps) + sum(caps) + 1)
+        call = self.costs_with_switch(sizes, fixed_tokens + len(caps)).tolist()
+        steady = self.call_cost(sizes).tolist()
         draft = self.draft_cost_s.tolist()
         shared = self.shared_draft_call
 
@@ -491,7 +501,20 @@ class BatchDraftPolicy:
         uniform = [[min(k, cap) for cap in caps] for k in range(max(caps, default=0) + 1)]
         rates = [expected / (call[tokens] + paid) for tokens, expected, paid in map(totals, uniform)]
         best_uniform = uniform[int(np.argmax(rates))]
-        rate, ks = max(climb([0] * len(caps)), climb(list(best_uniform)), key=lambda found: found[0])
+        starts = [[0] * len(caps), list(best_uniform)]
+        extra = -1 if self.last_tokens is None else self.last_tokens - fixed_tokens - len(caps)
+        if 0 < extra <= sum(caps):  # the last call's size, switch-free: single changes alone rarely land on it
+            at_last = [0] * len(caps)
+            while extra:
+                for i, cap in enumerate(caps):
+                    if extra and at_last[i] < cap:
+                        at_last[i], extra = at_last[i] + 1, extra - 1
+            starts.append(at_last)
+        # switches make every size but one or two dear: the best uniform k on the steady curve starts too
+        steady_rates = [expected / (steady[tokens] + paid) for tokens, expected, paid in map(totals, uniform)]
+        starts.append(uniform[int(np.argmax(steady_rates))])
+        unique = {tuple(start): None for start in starts}
+        rate, ks = max((climb(list(start)) for start in unique), key=lambda found: found[0])
         tokens, expected, _ = totals(ks)
         for i, state in enumerate(states):
             if ks[i]:

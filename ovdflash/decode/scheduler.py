@@ -333,7 +333,7 @@ class Scheduler:
         ks = self.draft_policy.choose([s.policy_state for s in aware], caps, fixed, offers)
         chosen = {s.request_id: k for s, k in zip(aware, ks)}
         # lookup drafts cost no drafter call: where the call has free room, a sequence held at AR verifies them
-        free = self.draft_policy.free_tokens(fixed + sum(k + 1 for k in ks))
+        free = self.draft_policy.free_tokens(fixed + sum(k + 1 for k in ks), fixed + len(ks))
         for s, k, cap in zip(aware, ks, caps):
             lookup = s.state.lookup
             proposal = lookup.propose(min(cap, free)) if k == 0 and lookup is not None else None
