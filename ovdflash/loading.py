@@ -105,6 +105,7 @@ def from_pretrained(cls, model_dir: str | Path | None = None, device: str = "CPU
     target_runner = parse_target_runner(target_runner or manifest["target_runner"])
     config, numerics = compile_config(manifest, compile_options, precision, target_runner)
     config.setdefault("CACHE_DIR", str(cache_dir or DEFAULT_CACHE_DIR))
+
     def keep_checkpoints(target) -> None:
         linear = getattr(target, "linear", None)
         if linear is not None:  # a verify of a whole block must keep a linear-attention state per token

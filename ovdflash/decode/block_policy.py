@@ -347,9 +347,9 @@ class BatchDraftPolicy:
     from all-AR, the best uniform k (each sequence min(k, cap_i): the curve can step up where the
     runner changes kernels, so no single sequence's draft pays on its own while all of them do) and
     drafts spread to the last call's size (no switch there), and the best uniform k on the curve
-    without switches; from each it repeatedly takes the one change that raises
-    that rate most (one k_i -> k', or one draft moved from one sequence to another: the same call
-    size, across a cliff of the curve), and stops when none does; all-AR stays a choice. Each
+    without switches; from each it repeatedly takes the one change that raises that rate most
+    (one k_i -> k', or one draft moved from one sequence to another: the same call size, across a
+    cliff of the curve), and stops when none does; all-AR stays a choice. Each
     sequence's acceptance is its own `DraftAcceptance` (`new_sequence()`, `observe(state, drafted,
     accepted, from_lookup)`: the lookup's rounds teach its own estimate), whose prior is the
     first-draft acceptance of every sequence observed so far (`population`, `lookup_population`).

@@ -15,8 +15,9 @@ Contract:
 - `compile_runners(..., target_runner=)` picks the target runner (`ovdflash.TARGET_RUNNERS`):
   "paged" (the default) applies openvino's paged-attention transformation before the runtime
   graph edits (`runtime_target_graph`) and returns an `OVPagedTarget`, with an f32-weight copy
-  for wide calls where `ov.wide_target` wants one and `skip_wide` (the loader's stored calibration)
-  does not rule it out before it is compiled (the copy's file pages dropped once it is compiled); "stateful" keeps the exported IR: `OVTarget`; "hybrid" exactly when the manifest
+  for wide calls where `ov.wide_target` wants one and `skip_wide` (the loader's stored
+  calibration) does not rule it out before it is compiled (the copy's file pages dropped once it
+  is compiled); "stateful" keeps the exported IR: `OVTarget`; "hybrid" exactly when the manifest
   names it (`ov.hybrid`).
 - `read_ir(core, xml, role)`: `core.read_model` with a one-line error naming the file.
 """

@@ -13,8 +13,8 @@ Contract:
   * the requests: `request`, and `wide_request` on `wide`, the target's f32-weight copy, for calls of
     `wide_from` tokens or more (`request_for`, `num_wide_calls`, `last_request`, `drop_wide`;
     `wide_compiled`, `wide_xml` for ovdflash.ov.memory; `attach_wide` adds a copy compiled after
-    the target); `renew_narrow(compiled)` moves the
-    narrow request onto a fresh compile of the same target;
+    the target); `renew_narrow(compiled)` moves the narrow request onto a fresh compile of the same
+    target;
   * `run_flat(...)`: one inference of a flattened call (the tokens of every sequence one after
     another, with the paged inputs that place them) through `run_request`, and `outputs()`: the
     logits and features it left in `last_request`.
