@@ -111,13 +111,13 @@ def from_pretrained(cls, model_dir: str | Path | None = None, device: str = "CPU
         if linear is not None:  # a verify of a whole block must keep a linear-attention state per token
             linear.max_checkpoints = max(linear.max_checkpoints, int(manifest["block_size"]))
 
-    skipped_copy = []
+    stored = {}  # the host key and its stored calibration, read once, before the copy would be compiled
 
     def copy_never_pays(target, wide_xml) -> bool:  # this host's stored calibration says so: compile no copy
         keep_checkpoints(target)  # the calibration's sizes depend on it
-        skipped_copy.append(wide_weights.cached_wide_from(wide_xml, calibration_host(target, device, config))
-                            == (True, None))
-        return skipped_copy[-1]
+        stored["host"] = calibration_host(target, device, config)
+        stored["found"], stored["wide_from"] = wide_weights.cached_wide_from(wide_xml, stored["host"])
+        return stored["found"] and stored["wide_from"] is None
 
     target, drafter = compile_runners(model_dir, manifest, device, config, with_drafter=draft,
                                       use_draft_vocab=use_draft_vocab, target_runner=target_runner,
@@ -126,13 +126,12 @@ def from_pretrained(cls, model_dir: str | Path | None = None, device: str = "CPU
     wide_xml = wide_copy_ir(target)
     # the IR pages go as each shape's repacking read them
     release = (lambda: release_mapped_files(weight_files(model_dir, target))) if release_weight_pages else None
-    if any(skipped_copy):  # each calibration size once, as a load that compiled and dropped the copy did
+    if stored and wide_xml is None:  # no copy compiled: each calibration size once, as a load that dropped it did
         target.warm_calls(release_pages=release)
     elif wide_xml is not None:  # which call sizes the f32-weight copy runs: measured once per host
-        host = calibration_host(target, device, config)
-        found, wide_from = wide_weights.cached_wide_from(wide_xml, host)
+        host, found = stored["host"], stored["found"]
         if found:
-            target.use_wide_from(wide_from)
+            target.use_wide_from(stored["wide_from"])
             target.narrow_compiler = None
             target.warm_calls(release_pages=release)
         else:

@@ -499,7 +499,8 @@ class BatchDraftPolicy:
                 paid = drafting(ks)
 
         uniform = [[min(k, cap) for cap in caps] for k in range(max(caps, default=0) + 1)]
-        rates = [expected / (call[tokens] + paid) for tokens, expected, paid in map(totals, uniform)]
+        uniform_totals = list(map(totals, uniform))
+        rates = [expected / (call[tokens] + paid) for tokens, expected, paid in uniform_totals]
         best_uniform = uniform[int(np.argmax(rates))]
         starts = [[0] * len(caps), list(best_uniform)]
         extra = -1 if self.last_tokens is None else self.last_tokens - fixed_tokens - len(caps)
@@ -511,7 +512,7 @@ class BatchDraftPolicy:
                         at_last[i], extra = at_last[i] + 1, extra - 1
             starts.append(at_last)
         # switches make every size but one or two dear: the best uniform k on the steady curve starts too
-        steady_rates = [expected / (steady[tokens] + paid) for tokens, expected, paid in map(totals, uniform)]
+        steady_rates = [expected / (steady[tokens] + paid) for tokens, expected, paid in uniform_totals]
         starts.append(uniform[int(np.argmax(steady_rates))])
         unique = {tuple(start): None for start in starts}
         rate, ks = max((climb(list(start)) for start in unique), key=lambda found: found[0])

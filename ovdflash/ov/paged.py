@@ -114,17 +114,19 @@ class PagedKV:
         if self.linear is not None and state_table_inputs(wide) != self.linear.table_inputs:
             raise ValueError("the wide target's linear-attention state tables differ from the target's")
         self.wide_compiled, self.wide_request = wide, wide_request_of(wide, self.cache_inputs)
-        for name, tensor in self.caches.items():
-            self.wide_request.set_tensor(name, tensor)
+        self._bind_caches(self.wide_request)
         if self.linear is not None:
             self.linear.bind(self.wide_request)
 
+    def _bind_caches(self, *requests) -> None:
+        for request in requests:
+            if request is not None:
+                for name, tensor in self.caches.items():
+                    request.set_tensor(name, tensor)
+
     def _grow(self, num_blocks: int) -> None:
         grow_rows(self.caches, self.cache_inputs, self.num_blocks, num_blocks)
-        for name, tensor in self.caches.items():
-            for request in (self.request, self.wide_request):
-                if request is not None:
-                    request.set_tensor(name, tensor)
+        self._bind_caches(self.request, self.wide_request)
         self.num_blocks = num_blocks
         self.num_cache_grows += 1
 
@@ -147,8 +149,7 @@ class PagedKV:
         its last reference."""
         old = self.request
         self.compiled, self.request = compiled, compiled.create_infer_request()
-        for name, tensor in self.caches.items():
-            self.request.set_tensor(name, tensor)
+        self._bind_caches(self.request)
         if self.linear is not None:
             self.linear.requests = [r for r in self.linear.requests if r is not old]
             self.linear.bind(self.request)
