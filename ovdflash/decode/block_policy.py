@@ -68,6 +68,7 @@ Pure python/numpy: no OpenVINO here.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import statistics
 import time
@@ -235,9 +236,13 @@ class DraftAcceptance:
             estimates.append(prior)
         return estimates
 
-    def expected_tokens(self) -> np.ndarray:
-        """E[accepted + 1](k) for k = 0..max_drafts."""
-        return 1.0 + np.concatenate(([0.0], np.cumsum(np.cumprod(self.acceptance()))))
+    def expected_tokens(self) -> list[float]:
+        """E[accepted + 1](k) for k = 0..max_drafts (plain floats: the batch policy asks every round)."""
+        expected, reach = [1.0], 1.0
+        for p in self.acceptance():
+            reach *= p
+            expected.append(expected[-1] + reach)
+        return expected
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """Positions 1..a accepted, a+1 rejected (if a < drafted), later ones unseen; 0 drafts: nothing."""
@@ -349,7 +354,9 @@ class BatchDraftPolicy:
     drafts spread to the last call's size (no switch there), and the best uniform k on the curve
     without switches; from each it repeatedly takes the one change that raises that rate most
     (one k_i -> k', or one draft moved from one sequence to another: the same call size, across a
-    cliff of the curve), and stops when none does; all-AR stays a choice. Each
+    cliff of the curve), and stops when none does; all-AR stays a choice. A round where not even
+    every sequence's best gain in the cheapest round that drafts beats all-AR (`drafting_rate_bound`)
+    skips the search: the same choice, for a fraction of the time (most rounds of a full batch). Each
     sequence's acceptance is its own `DraftAcceptance` (`new_sequence()`, `observe(state, drafted,
     accepted, from_lookup)`: the lookup's rounds teach its own estimate), whose prior is the
     first-draft acceptance of every sequence observed so far (`population`, `lookup_population`).
@@ -400,9 +407,18 @@ class BatchDraftPolicy:
         self.lookup_population = DraftAcceptance(self.max_drafts, prior_acceptance, prior_strength, 0.999)
         self.num_draft_samples = 0  # drafter calls observed: the first ones move the estimate most
 
-    def call_cost(self, num_tokens) -> np.ndarray:
+    def call_cost(self, num_tokens):
+        """Seconds of a steady call of num_tokens (a float for one size, an array for an array)."""
         tokens, costs = self.call_tokens, self.call_cost_s
         slope = (costs[-1] - costs[-2]) / (tokens[-1] - tokens[-2]) if len(tokens) > 1 else costs[0] / tokens[0]
+        if np.ndim(num_tokens) == 0:  # one size, every round: plain floats, no arrays
+            t = float(num_tokens)
+            if t >= tokens[-1]:
+                return costs[-1] + slope * (t - tokens[-1])
+            j = bisect.bisect_right(tokens, t)
+            if j == 0:
+                return costs[0]
+            return costs[j - 1] + (costs[j] - costs[j - 1]) * (t - tokens[j - 1]) / (tokens[j] - tokens[j - 1])
         num_tokens = np.asarray(num_tokens, dtype=np.float64)
         inside = np.interp(num_tokens, tokens, costs)
         return np.where(num_tokens > tokens[-1], costs[-1] + slope * (num_tokens - tokens[-1]), inside)
@@ -412,10 +428,9 @@ class BatchDraftPolicy:
         flat, memory-bound stretch of the curve, shape switches counted as in costs_with_switch;
         `home` defaults to num_tokens)."""
         home = num_tokens if home is None else home
-        base = self.costs_with_switch(np.array([num_tokens]), home)[0] * (1 + tolerance)
-        extra = np.arange(1, self.max_drafts * 8 + 1)
-        fits = self.costs_with_switch(num_tokens + extra, home) <= base
-        return int(extra[fits].max()) if fits.any() and fits[0] else 0
+        costs = self.costs_with_switch(num_tokens + np.arange(self.max_drafts * 8 + 1), home)
+        fits = np.flatnonzero(costs[1:] <= costs[0] * (1 + tolerance))
+        return int(fits[-1]) + 1 if len(fits) and fits[0] == 0 else 0
 
     def costs_with_switch(self, num_tokens: np.ndarray, home: int | None = None) -> np.ndarray:
         """call_cost of each size, plus `switch_cost_s` where it is not the last call's size, and
@@ -446,12 +461,12 @@ class BatchDraftPolicy:
         offers = [0] * len(states) if lookup is None else [max(0, int(n)) for n in lookup]
         caps = [max(0, min(int(c), self.max_drafts, n or self.max_drafts)) for c, n in zip(caps, offers)]
         by_drafter = [not n for n in offers]
-        gains = [s["estimate" if d else "lookup"].expected_tokens()[: c + 1].tolist()
+        gains = [s["estimate" if d else "lookup"].expected_tokens()[: c + 1]
                  for s, c, d in zip(states, caps, by_drafter)]
         # plain floats and tables: this runs every round, beside a target call of a few ms
-        sizes = np.arange(fixed_tokens + len(caps) + sum(caps) + 1)
-        call = self.costs_with_switch(sizes, fixed_tokens + len(caps)).tolist()
-        steady = self.call_cost(sizes).tolist()
+        home = fixed_tokens + len(caps)
+        sizes = np.arange(home + sum(caps) + 1)
+        call = self.costs_with_switch(sizes, home).tolist()
         draft = self.draft_cost_s.tolist()
         shared = self.shared_draft_call
 
@@ -498,24 +513,45 @@ class BatchDraftPolicy:
                     ks[i] = k
                 paid = drafting(ks)
 
-        uniform = [[min(k, cap) for cap in caps] for k in range(max(caps, default=0) + 1)]
-        uniform_totals = list(map(totals, uniform))
-        rates = [expected / (call[tokens] + paid) for tokens, expected, paid in uniform_totals]
-        best_uniform = uniform[int(np.argmax(rates))]
-        starts = [[0] * len(caps), list(best_uniform)]
-        extra = -1 if self.last_tokens is None else self.last_tokens - fixed_tokens - len(caps)
-        if 0 < extra <= sum(caps):  # the last call's size, switch-free: single changes alone rarely land on it
-            at_last = [0] * len(caps)
-            while extra:
-                for i, cap in enumerate(caps):
-                    if extra and at_last[i] < cap:
-                        at_last[i], extra = at_last[i] + 1, extra - 1
-            starts.append(at_last)
-        # switches make every size but one or two dear: the best uniform k on the steady curve starts too
-        steady_rates = [expected / (steady[tokens] + paid) for tokens, expected, paid in uniform_totals]
-        starts.append(uniform[int(np.argmax(steady_rates))])
-        unique = {tuple(start): None for start in starts}
-        rate, ks = max((climb(list(start)) for start in unique), key=lambda found: found[0])
+        def search():
+            """(rate, ks): the best climb from each start (the class contract's starts)."""
+            uniform = [[min(k, cap) for cap in caps] for k in range(max(caps, default=0) + 1)]
+            uniform_totals = list(map(totals, uniform))
+            rates = [expected / (call[tokens] + paid) for tokens, expected, paid in uniform_totals]
+            starts = [[0] * len(caps), list(uniform[int(np.argmax(rates))])]
+            extra = -1 if self.last_tokens is None else self.last_tokens - home
+            if 0 < extra <= sum(caps):  # the last call's size, switch-free: single changes alone rarely land on it
+                at_last = [0] * len(caps)
+                while extra:
+                    for i, cap in enumerate(caps):
+                        if extra and at_last[i] < cap:
+                            at_last[i], extra = at_last[i] + 1, extra - 1
+                starts.append(at_last)
+            # switches make every size but one or two dear: the best uniform k on the steady curve starts too
+            steady = self.call_cost(sizes).tolist()
+            steady_rates = [expected / (steady[tokens] + paid) for tokens, expected, paid in uniform_totals]
+            starts.append(uniform[int(np.argmax(steady_rates))])
+            unique = {tuple(start): None for start in starts}
+            return max((climb(list(start)) for start in unique), key=lambda found: found[0])
+
+        rate, ks = sum(g[0] for g in gains) / call[home], [0] * len(caps)
+        if self.drafting_rate_bound(gains, call[home + 1:], draft, caps, by_drafter) > rate:  # else no search
+            rate, ks = search()
+        return self._probe(states, caps, ks, rate, gains, call, drafting, totals)
+
+    @staticmethod
+    def drafting_rate_bound(gains, drafting_calls, draft, caps, by_drafter) -> float:
+        """At least the rate of any choice that drafts (`drafting_calls`: the call costs of the sizes
+        above the AR size): one that calls the drafter gains at most every sequence's best, in the
+        cheapest such round; one that drafts from lookups alone calls no drafter but gains only theirs."""
+        cheapest = min(drafting_calls, default=float("inf"))
+        bound = sum(g[-1] for g in gains) / (cheapest + min(draft[1:], default=0.0))
+        if any(c and not d for c, d in zip(caps, by_drafter)):
+            bound = max(bound, sum(g[0] if d else g[-1] for g, d in zip(gains, by_drafter)) / cheapest)
+        return bound
+
+    def _probe(self, states, caps, ks, rate, gains, call, drafting, totals) -> list[int]:
+        """ks after each sequence's AR streak and probe (the class contract's exploration)."""
         tokens, expected, _ = totals(ks)
         for i, state in enumerate(states):
             if ks[i]:
@@ -569,7 +605,7 @@ class BatchDraftPolicy:
         if num_tokens > self.call_tokens[-1]:  # a size never run: it becomes a point of the curve
             self.call_tokens.append(int(num_tokens))
             self.call_cost_s.append(estimate)
-        j = int(np.argmin([abs(t - num_tokens) for t in self.call_tokens]))
+        j = min(range(len(self.call_tokens)), key=lambda i: abs(self.call_tokens[i] - num_tokens))
         self.call_cost_s[j] += self.cost_update_rate * (sample - estimate)
         self.call_cost_s = nondecreasing(self.call_cost_s)
 

@@ -332,18 +332,19 @@ class Scheduler:
         offers = [self._lookup_offer(s, cap) for s, cap in zip(aware, caps)]
         ks = self.draft_policy.choose([s.policy_state for s in aware], caps, fixed, offers)
         chosen = {s.request_id: k for s, k in zip(aware, ks)}
+        if not any(n and not k for k, n in zip(ks, offers)):
+            return chosen
         # lookup drafts cost no drafter call: where the call has free room, a sequence held at AR verifies them
         free = self.draft_policy.free_tokens(fixed + sum(k + 1 for k in ks), fixed + len(ks))
-        for s, k, cap in zip(aware, ks, caps):
-            lookup = s.state.lookup
-            proposal = lookup.propose(min(cap, free)) if k == 0 and lookup is not None else None
-            if proposal is not None and len(proposal):
-                chosen[s.request_id] = len(proposal)
-                free -= len(proposal)
+        for s, k, n in zip(aware, ks, offers):
+            if not k and min(n, free):  # its lookup's first min(n, free) tokens, as planned_drafts finds them
+                chosen[s.request_id] = min(n, free)
+                free -= min(n, free)
         return chosen
 
     @staticmethod
     def _lookup_offer(seq: _Sequence, cap: int) -> int:
+        """How many drafts the sequence's n-gram lookup offers this round, at most cap (0: no match)."""
         lookup = seq.state.lookup
         found = lookup.propose(cap) if lookup is not None and cap >= 1 else None
         return 0 if found is None else len(found)
