@@ -109,7 +109,9 @@ def test_disconnect_mid_stream_stops_within_a_round_and_the_next_request_is_serv
         # the client is gone: the server notices, drops the request, and the engine stops it
         wait_until(lambda: engine.num_open_requests == 0, what="the abort")
         paced.release(5)
-        wait_until(lambda: not engine.scheduler.has_unfinished(), what="the engine to stop the request")
+        # the worker ends a request in the scheduler first and records its metrics after
+        wait_until(lambda: not engine.scheduler.has_unfinished() and ("ovdflash:request_success_total", (("finished_reason", "abort"),)) in scrape(url),
+                   what="the engine to stop the request and count it")
         assert paced.rounds_run <= 4  # at most the round that was already running
         metrics = scrape(url)
         assert metrics[("ovdflash:request_success_total", (("finished_reason", "abort"),))] == 1
@@ -163,7 +165,8 @@ def test_a_queued_request_whose_client_left_never_runs(pipe):
         wait_until(lambda: engine.num_open_requests == 1, what="the queued request's abort")
         paced.release(10_000)
         first.join(60)
-        wait_until(lambda: not engine.scheduler.has_unfinished(), what="the engine to go idle")
+        wait_until(lambda: not engine.scheduler.has_unfinished() and ("ovdflash:request_success_total", (("finished_reason", "abort"),)) in scrape(url),
+                   what="the engine to go idle and count the abort")
         metrics = scrape(url)
         assert metrics[("ovdflash:request_success_total", (("finished_reason", "abort"),))] == 1
         assert metrics[("ovdflash:generation_tokens_total", ())] == 6  # only the first request generated
