@@ -65,6 +65,10 @@ def pipe(tiny_pair, tmp_path_factory):
     return DFlashPipeline.from_pretrained(tiny_pair, cache_dir=tmp_path_factory.mktemp("engine_cache"))
 
 
+# the metric sample counting the requests that ended aborted
+ABORTED = ("ovdflash:request_success_total", (("finished_reason", "abort"),))
+
+
 def wait_until(condition, timeout_s: float = 30.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -110,11 +114,11 @@ def test_disconnect_mid_stream_stops_within_a_round_and_the_next_request_is_serv
         wait_until(lambda: engine.num_open_requests == 0, what="the abort")
         paced.release(5)
         # the worker ends a request in the scheduler first and records its metrics after
-        wait_until(lambda: not engine.scheduler.has_unfinished() and ("ovdflash:request_success_total", (("finished_reason", "abort"),)) in scrape(url),
+        wait_until(lambda: not engine.scheduler.has_unfinished() and ABORTED in scrape(url),
                    what="the engine to stop the request and count it")
         assert paced.rounds_run <= 4  # at most the round that was already running
         metrics = scrape(url)
-        assert metrics[("ovdflash:request_success_total", (("finished_reason", "abort"),))] == 1
+        assert metrics[ABORTED] == 1
         assert metrics[("ovdflash:generation_tokens_total", ())] < 200
         assert metrics[("ovdflash:num_requests_running", ())] == 0
 
@@ -165,10 +169,10 @@ def test_a_queued_request_whose_client_left_never_runs(pipe):
         wait_until(lambda: engine.num_open_requests == 1, what="the queued request's abort")
         paced.release(10_000)
         first.join(60)
-        wait_until(lambda: not engine.scheduler.has_unfinished() and ("ovdflash:request_success_total", (("finished_reason", "abort"),)) in scrape(url),
+        wait_until(lambda: not engine.scheduler.has_unfinished() and ABORTED in scrape(url),
                    what="the engine to go idle and count the abort")
         metrics = scrape(url)
-        assert metrics[("ovdflash:request_success_total", (("finished_reason", "abort"),))] == 1
+        assert metrics[ABORTED] == 1
         assert metrics[("ovdflash:generation_tokens_total", ())] == 6  # only the first request generated
         assert metrics[("ovdflash:prompt_tokens_total", ())] == len(pipe.encode_prompt(MSG))
 

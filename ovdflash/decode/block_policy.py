@@ -406,6 +406,7 @@ class BatchDraftPolicy:
         self.population = DraftAcceptance(self.max_drafts, prior_acceptance, prior_strength, 0.999)
         self.lookup_population = DraftAcceptance(self.max_drafts, prior_acceptance, prior_strength, 0.999)
         self.num_draft_samples = 0  # drafter calls observed: the first ones move the estimate most
+        self.num_searches = 0  # choices that ran the search (the others: all-AR by `drafting_rate_bound`)
 
     def call_cost(self, num_tokens):
         """Seconds of a steady call of num_tokens (a float for one size, an array for an array)."""
@@ -537,21 +538,7 @@ class BatchDraftPolicy:
         rate, ks = sum(g[0] for g in gains) / call[home], [0] * len(caps)
         if self.drafting_rate_bound(gains, call[home + 1:], draft, caps, by_drafter) > rate:  # else no search
             rate, ks = search()
-        return self._probe(states, caps, ks, rate, gains, call, drafting, totals)
-
-    @staticmethod
-    def drafting_rate_bound(gains, drafting_calls, draft, caps, by_drafter) -> float:
-        """At least the rate of any choice that drafts (`drafting_calls`: the call costs of the sizes
-        above the AR size): one that calls the drafter gains at most every sequence's best, in the
-        cheapest such round; one that drafts from lookups alone calls no drafter but gains only theirs."""
-        cheapest = min(drafting_calls, default=float("inf"))
-        bound = sum(g[-1] for g in gains) / (cheapest + min(draft[1:], default=0.0))
-        if any(c and not d for c, d in zip(caps, by_drafter)):
-            bound = max(bound, sum(g[0] if d else g[-1] for g, d in zip(gains, by_drafter)) / cheapest)
-        return bound
-
-    def _probe(self, states, caps, ks, rate, gains, call, drafting, totals) -> list[int]:
-        """ks after each sequence's AR streak and probe (the class contract's exploration)."""
+            self.num_searches += 1
         tokens, expected, _ = totals(ks)
         for i, state in enumerate(states):
             if ks[i]:
@@ -570,6 +557,17 @@ class BatchDraftPolicy:
                     tokens, expected = tokens + k, expected - gains[i][0] + gains[i][k]
                     state["explore_wait"] = min(2 * state["explore_wait"], self.max_explore_every)
         return ks
+
+    @staticmethod
+    def drafting_rate_bound(gains, drafting_calls, draft, caps, by_drafter) -> float:
+        """At least the rate of any choice that drafts (`drafting_calls`: the call costs of the sizes
+        above the AR size): one that calls the drafter gains at most every sequence's best, in the
+        cheapest such round; one that drafts from lookups alone calls no drafter but gains only theirs."""
+        cheapest = min(drafting_calls, default=float("inf"))
+        bound = sum(g[-1] for g in gains) / (cheapest + min(draft[1:], default=0.0))
+        if any(c and not d for c, d in zip(caps, by_drafter)):
+            bound = max(bound, sum(g[0] if d else g[-1] for g, d in zip(gains, by_drafter)) / cheapest)
+        return bound
 
     def observe(self, state: dict, num_drafted: int, num_accepted: int, from_lookup: bool = False) -> None:
         state["lookup" if from_lookup else "estimate"].observe(num_drafted, num_accepted)

@@ -337,9 +337,10 @@ class Scheduler:
         # lookup drafts cost no drafter call: where the call has free room, a sequence held at AR verifies them
         free = self.draft_policy.free_tokens(fixed + sum(k + 1 for k in ks), fixed + len(ks))
         for s, k, n in zip(aware, ks, offers):
-            if not k and min(n, free):  # its lookup's first min(n, free) tokens, as planned_drafts finds them
-                chosen[s.request_id] = min(n, free)
-                free -= min(n, free)
+            taken = 0 if k else min(n, free)  # its lookup's first drafts, as planned_drafts finds them
+            if taken:
+                chosen[s.request_id] = taken
+                free -= taken
         return chosen
 
     @staticmethod
