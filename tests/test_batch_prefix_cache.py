@@ -1,8 +1,10 @@
 """KV blocks shared across batched requests (OVPagedBatchTarget's prefix cache) on the tiny pair under
 STRICT_F32: a request whose prompt begins with full blocks that an earlier or a running sequence
 computed prefills only the rest, and every sequence's tokens and drafts equal its run alone with a
-full prefill (greedy, seeded sampling, lookup, AR); shared blocks are counted once; cached blocks
-nobody holds are evicted under pressure, and the pool's books balance after every run."""
+full prefill (greedy, seeded sampling, lookup, AR); a prompt that parts from a cached block mid-block
+starts from a copy of its shared tokens, with the same tokens and drafts; shared blocks are counted
+once; cached blocks nobody holds are evicted under pressure, and the pool's books balance after
+every run."""
 import numpy as np
 import pytest
 
@@ -65,11 +67,45 @@ def test_a_shared_system_prompt_is_prefilled_once_and_outputs_equal_full_prefill
     for rid, prompt, max_new, *_ in requests:
         tokens, ref = alone(pipe, prompt, max_new, block_size=block, prompt_lookup=mode == "lookup", **kwargs)
         assert events[rid] == tokens, rid
-    # the first request computed the shared blocks; every later one found them
-    assert target.num_prefix_hits == 5 * 2 * b
+    # the first request computed the shared blocks; every later one found them, and the three admitted
+    # after a request ended also copied the system's last 5 tokens from that request's partly filled block
+    assert target.num_prefix_hits == 5 * 2 * b + 3 * 5
     assert target.num_prefix_queries == sum(len(r[1]) for r in requests)
     balanced(target)
     assert len(target.cached) >= 2
+
+
+@pytest.mark.parametrize("mode", ["greedy", "seeded", "lookup"])
+def test_prompts_parting_mid_block_reuse_the_shared_part_and_equal_full_prefills(pipe, mode):
+    """A system prompt of a block and a half, cached by an earlier request: three requests at once reuse
+    all of it (the half block copied into a block of each), and tokens and drafts equal a full prefill's."""
+    target = batch_target_for(pipe.target, pool_blocks=96)
+    scheduler = Scheduler(target, DrafterPool(pipe.drafter), max_batch_size=3)
+    rng = np.random.default_rng(11)
+    b = target.block_tokens
+    system = rng.integers(1, 500, size=b + b // 2).tolist()
+    params = SamplingParams(0.9, 1.0, 20, 7) if mode == "seeded" else SamplingParams()
+    lookup = mode == "lookup"
+    run(scheduler, [("first", system + rng.integers(1, 500, size=b).tolist(), 4, params, 4, lookup, (), {})])
+    requests = [(i, system + rng.integers(1, 500, size=int(rng.integers(1, 12))).tolist(), 10 + i, params, 4,
+                 lookup, (), {}) for i in range(3)]
+    # the drafter's context from the copied part: the features a full prefill gives those tokens
+    assert target.reserve("probe", 64, requests[0][1]) and target.committed("probe") == len(system)
+    pipe.target.reset()
+    _, full = pipe.target.forward(np.asarray(requests[0][1], dtype=np.int64), all_logits=False)
+    np.testing.assert_allclose(target.cached_features("probe"), full[:len(system)], rtol=1e-5, atol=1e-5)
+    target.release("probe")
+    stats = {r[0]: scheduler.add(*r[:-1]) for r in requests}
+    events = run(scheduler, [])
+    kwargs = {"temperature": 0.9, "top_k": 20, "seed": 7} if mode == "seeded" else {}
+    for rid, prompt, max_new, *_ in requests:
+        tokens, ref = alone(pipe, prompt, max_new, block_size=4, prompt_lookup=lookup, **kwargs)
+        got = stats[rid]
+        assert events[rid] == tokens, rid
+        assert (got.num_draft_tokens, got.num_accepted_tokens, got.accepted_per_position) == \
+            (ref.num_draft_tokens, ref.num_accepted_tokens, ref.accepted_per_position), rid
+        assert got.num_cached_prompt_tokens == len(system), rid
+    balanced(target)
 
 
 def test_cached_context_gives_the_drafter_the_same_drafts(pipe):
@@ -95,7 +131,8 @@ def test_cached_context_gives_the_drafter_the_same_drafts(pipe):
 
 def test_a_conversation_turn_reuses_the_generated_reply(pipe):
     """Turn 2's prompt is turn 1's prompt + reply + more: the reply's full blocks were cached as they were
-    committed, so more than the first prompt is reused, and the answer equals a full prefill's."""
+    committed and its last, partly filled block when turn 1 ended, so every committed token is
+    reused, and the answer equals a full prefill's."""
     target = batch_target_for(pipe.target, pool_blocks=96)
     scheduler = Scheduler(target, DrafterPool(pipe.drafter), max_batch_size=2)
     b = target.block_tokens
@@ -106,8 +143,8 @@ def test_a_conversation_turn_reuses_the_generated_reply(pipe):
     stats = scheduler.add("t2", second, 12, SamplingParams(), 4)
     events.update(run(scheduler, []))
     assert events["t2"] == alone(pipe, second, 12, block_size=4, prompt_lookup=False)[0]
-    # the last token sampled in turn 1 never had KV: full blocks up to len(first) + 2b - 1 tokens
-    assert stats.num_cached_prompt_tokens == (len(first) + 2 * b - 1) // b * b > len(first)
+    # the last token sampled in turn 1 never had KV
+    assert stats.num_cached_prompt_tokens == len(first) + 2 * b - 1
     balanced(target)
 
 
@@ -171,7 +208,8 @@ def test_generate_batch_reuses_across_calls_and_can_be_turned_off(pipe):
         first = pipe.generate_batch(prompts[:1], max_new_tokens=8, block_size=4)
         again = pipe.generate_batch(prompts, max_new_tokens=8, block_size=4)
         assert [r.token_ids for r in again] == want and first[0].token_ids == want[0]
-        assert [r.stats.num_cached_prompt_tokens for r in again] == [2 * b, 2 * b]
+        # the first prompt again: all but its last token, two of them copied from the first call's last block
+        assert [r.stats.num_cached_prompt_tokens for r in again] == [2 * b + 2, 2 * b]
         off = pipe.generate_batch(prompts, max_new_tokens=8, block_size=4, prefix_cache=False)
         assert [r.stats.num_cached_prompt_tokens for r in off] == [0, 0]
         assert [r.token_ids for r in off] == want

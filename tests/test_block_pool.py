@@ -4,7 +4,11 @@ Checked: a stream of distinct prompts touches at most the blocks its running seq
 `max_idle_cached` cached ones, and the storage grows only once every block in it was used (so a
 growth copies used blocks only); a bound as large as the pool keeps every prefix, as before; the
 most recently released prefix survives a small bound; freed blocks are reused before new ones;
-bad bounds are ValueErrors.
+bad bounds are ValueErrors. Reuse within a block: a prompt that parts from a cached block mid-block
+starts from a copy of it holding exactly the shared tokens (checked on storage that records the
+token at every slot, through random traffic with evictions), never from a block with room too
+short to copy into, and not at all without a copy callback; a released sequence's partly filled
+last block is copied by the next turn of its conversation.
 """
 import numpy as np
 import pytest
@@ -102,3 +106,107 @@ def test_bad_bounds_are_value_errors():
     for bad in (-1, 1.5, True, "4"):
         with pytest.raises(ValueError, match="max_idle_cached must be an integer >= 0"):
             BlockPool(8, B, 100, Storage(), 2, True, bad)
+
+
+class Contents:
+    """Storage whose blocks record the token written at every slot; `copy` is the pool's copy_block."""
+
+    def __init__(self):
+        self.blocks: dict[int, np.ndarray] = {}
+        self.copies: list[tuple[int, int]] = []
+
+    def grow(self, needed: int, limit: int) -> int:
+        size = min(max(needed, 2 * len(self.blocks)), limit) if needed > len(self.blocks) else len(self.blocks)
+        for block in range(len(self.blocks), size):
+            self.blocks[block] = np.full(B, -1)
+        return len(self.blocks)
+
+    def copy(self, source: int, block: int) -> None:
+        self.copies.append((source, block))
+        self.blocks[block] = self.blocks[source].copy()
+
+    def read(self, pool, seq_id, end: int) -> list[int]:
+        blocks, slots = pool.slots(seq_id, 0, end)
+        return [int(self.blocks[b][s]) for b, s in zip(blocks, slots)]
+
+    def write(self, pool, seq_id, tokens) -> None:
+        start = pool.committed(seq_id)
+        pool.write(seq_id, len(tokens))
+        for (b, s), t in zip(zip(*pool.slots(seq_id, start, start + len(tokens))), tokens):
+            self.blocks[int(b)][s] = t
+        pool.commit(seq_id, len(tokens), tokens)
+
+
+def copying_pool(pool_blocks=200, max_idle_cached=None, copy=True):
+    contents = Contents()
+    pool = BlockPool(pool_blocks, B, 10_000, contents.grow, 2, True, max_idle_cached,
+                     copy_block=contents.copy if copy else None)
+    return pool, contents
+
+
+def serve_contents(pool, contents, seq_id, prompt, new_tokens):
+    """serve() on recorded storage: what reserve found is the prompt's own tokens; returns it."""
+    assert pool.reserve(seq_id, len(prompt) + new_tokens, prompt)
+    reused = pool.committed(seq_id)
+    assert reused == pool.reused(seq_id) < len(prompt)
+    assert contents.read(pool, seq_id, reused) == prompt[:reused]
+    contents.write(pool, seq_id, prompt[reused:])
+    for t in range(new_tokens):
+        contents.write(pool, seq_id, [10_000 + t])
+    assert contents.read(pool, seq_id, len(prompt) + new_tokens) == prompt + [10_000 + t for t in range(new_tokens)]
+    pool.release(seq_id)
+    return reused
+
+
+def test_a_prompt_parting_mid_block_starts_from_a_copy_of_the_shared_part():
+    pool, contents = copying_pool()
+    system = [7, 8, 9, 10, 11, 12]  # a full block and 2 tokens of the next
+    first = system + [20, 21, 22, 23]
+    assert serve_contents(pool, contents, "a", first, 3) == 0
+    cached_tail = pool.prefixes.cached[pool.prefixes.match(first[:2 * B + 1])[1][0]]
+    assert serve_contents(pool, contents, "b", system + [30, 31], 2) == len(system)
+    assert contents.copies[-1][0] == cached_tail and contents.copies[-1][1] != cached_tail
+    assert list(contents.blocks[cached_tail]) == first[B:2 * B]  # the source is only read
+    # the prompt's last token is always prefilled: the same prompt again copies all but it
+    assert serve_contents(pool, contents, "c", first[:2 * B], 1) == 2 * B - 1
+    off, off_contents = copying_pool(copy=False)
+    serve_contents(off, off_contents, "a", first, 3)
+    assert off.reserve("b", 10, system + [30, 31]) and off.committed("b") == B
+
+
+def test_no_copy_when_the_source_is_the_last_block_left():
+    pool, contents = copying_pool(pool_blocks=2, max_idle_cached=2)
+    serve_contents(pool, contents, "a", [1, 2, 3, 4, 5], 0)  # block 0 cached, block 1 freed
+    assert serve_contents(pool, contents, "b", [1, 2, 9, 9, 9, 9, 9], 1) == 0  # needs both blocks
+    assert not contents.copies
+    # b left [1, 2, 9, 9] and [9, 9, 9, 10000] cached: a one-block prompt copies the first into the second
+    assert serve_contents(pool, contents, "c", [1, 2, 9, 5], 0) == 3 and len(contents.copies) == 1
+    assert pool.free_blocks == 2 and pool.num_reserved == 0
+
+
+@pytest.mark.parametrize("pool_blocks, max_idle_cached", [(12, 2), (40, None), (200, 200)])
+def test_random_traffic_reads_back_its_own_tokens(pool_blocks, max_idle_cached):
+    """Prompts drawn from a few shared beginnings of random lengths, with evictions: whatever reserve
+    shares or copies holds the prompt's tokens, and the books balance after every request."""
+    pool, contents = copying_pool(pool_blocks, max_idle_cached)
+    rng = np.random.default_rng(pool_blocks)
+    systems = [rng.integers(1, 50, size=3 * B).tolist() for _ in range(3)]
+    reused = []
+    for i in range(150):
+        system = systems[int(rng.integers(0, 3))]
+        prompt = system[:int(rng.integers(1, 3 * B))] + rng.integers(1, 50, size=int(rng.integers(1, 2 * B))).tolist()
+        reused.append(serve_contents(pool, contents, i, prompt, int(rng.integers(0, B))))
+        assert pool.free_blocks == pool.pool_blocks and pool.num_reserved == 0
+    assert sum(r % B != 0 for r in reused) > 20 and contents.copies
+
+
+def test_the_next_turn_copies_the_last_turns_partly_filled_block():
+    pool, contents = copying_pool()
+    first = [5, 6, 7, 8, 9, 10]
+    serve_contents(pool, contents, "t1", first, 3)  # 9 tokens committed: two full blocks and one token
+    reply = [10_000, 10_001, 10_002]
+    assert serve_contents(pool, contents, "t2", first + reply + [40, 41], 2) == len(first) + len(reply)
+    assert len(pool.prefixes.cached) == len(pool.prefixes.evictable) == 5  # t1's and t2's, 2 of them partial
+    off, off_contents = copying_pool(copy=False)
+    serve_contents(off, off_contents, "t1", first, 3)
+    assert serve_contents(off, off_contents, "t2", first + reply + [40, 41], 2) == 2 * B

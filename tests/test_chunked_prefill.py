@@ -86,10 +86,12 @@ def test_chunks_after_a_prefix_cache_hit_equal_full_prefills(tiny_pair, tmp_path
         assert events[rid] == want, rid
         if rid:
             alone_stats = cached_pipe.last_stats
-            assert stats[rid].num_cached_prompt_tokens == 3 * b
+            # the last one waits for a slot: by then a request that ended left its partly filled
+            # block, which begins with the system prompt's last 2 tokens, for a copy
+            assert stats[rid].num_cached_prompt_tokens == 3 * b + (2 if rid == 3 else 0)
             assert (stats[rid].num_draft_tokens, stats[rid].num_accepted_tokens) == \
                 (alone_stats.num_draft_tokens, alone_stats.num_accepted_tokens)
-    assert target.num_prefix_hits == 3 * 3 * b and target.num_reserved == 0
+    assert target.num_prefix_hits == 3 * 3 * b + 2 and target.num_reserved == 0
 
 
 def test_a_grammar_starts_at_the_first_sampled_token_of_a_chunked_prefill(pipe):

@@ -26,12 +26,22 @@ Contract:
   it is evicted (least recently released first, a chain's tail before its head) when a sequence needs
   a block and no freed one is left, once `max_idle_cached` such blocks wait (None: a quarter of the
   pool, `default_idle_cached`) or the pool is at its limit: the memory the pool touches stays within what running sequences
-  hold plus that many cached blocks. A block is found only by its exact tokens. The digests
+  hold plus that many cached blocks. A block is found only by its exact tokens (copied, by its exact
+  leading ones and every token before it). The digests
   and which cached blocks are idle are `prefixes`' (a `PrefixCache`); `num_prefix_queries` /
   `num_prefix_hits` count the prompt tokens looked up and found. `digests(seq_id)` lists the chain
   digest of each of a sequence's hashed blocks (matched or filled), in order. `match_limit` (None:
   share every matched block) takes the matched blocks' digests and returns how many leading ones
   `reserve` may share (a hybrid target shares only up to a block with a kept linear-attention state).
+- Reuse within a block (`copy_block(src, dst)` given: the caller copies one block's KV and features):
+  past the shared full blocks, `reserve` also finds the cached block after them whose leading tokens
+  the prompt shares longest (a prompt that parts from it mid-block, such as a common system prompt
+  followed by another question) and copies it into the sequence's first own block, which then holds
+  those tokens committed; the sequence overwrites the rest of it. A released sequence's last,
+  partly filled block joins the cache too, for copies only (a conversation's next turn reuses every
+  committed token of the last one); it is never shared, and is evicted like any idle cached block.
+  `reused(seq_id)` counts the tokens shared or copied at reserve. A hybrid target gives no copy
+  callback (its linear state sits at block ends), so neither happens there.
 May import: numpy and the standard library only (the tensors are the caller's).
 """
 from __future__ import annotations
@@ -69,6 +79,7 @@ class SequenceBlocks:
     digests: list = field(default_factory=list)  # chain digest after each leading block whose digest is known
     tail_ids: list = field(default_factory=list)  # committed token ids after the hashed blocks
     num_matched: int = 0     # leading blocks shared from the prefix cache at reserve
+    num_reused: int = 0      # committed tokens reserve found cached (shared blocks and a copied block's part)
 
     @property
     def num_hashed(self) -> int:
@@ -89,6 +100,9 @@ class PrefixCache:
         self.block_tokens = block_tokens
         self.cached: dict[bytes, int] = {}       # digest -> block id
         self.digest_of: dict[int, bytes] = {}    # block id -> digest, cached blocks only
+        self.tokens_of: dict[bytes, np.ndarray] = {}    # digest -> the block's own tokens
+        self.children: dict[bytes, dict[bytes, None]] = {}  # chain digest -> digests of the cached blocks after it
+        self.parent_of: dict[bytes, bytes] = {}  # digest -> the chain digest before its block
         self.evictable: OrderedDict[bytes, None] = OrderedDict()  # cached, held by nobody; oldest first
 
     def match(self, prompt_ids) -> list[tuple[bytes, int]]:
@@ -103,16 +117,43 @@ class PrefixCache:
             matched.append((digest, block))
         return matched
 
+    def longest_continuation(self, digest: bytes, ids: np.ndarray) -> tuple[int, int]:
+        """(block id, n) of the cached block right after chain `digest` whose first n tokens equal
+        ids[:n], n as large as any such block gives (0, 0: none shares a token)."""
+        best_block, best = 0, 0
+        for child in self.children.get(digest, ()):
+            tokens = self.tokens_of[child]
+            same = tokens[:len(ids)] == ids[:len(tokens)]
+            n = len(same) if same.all() else int(np.argmin(same))
+            if n > best:
+                best_block, best = self.cached[child], n
+        return best_block, best
+
     def add_full_blocks(self, seq: SequenceBlocks) -> None:
         """Cache every block the sequence's committed `tail_ids` fill, under the chain digest."""
         b = self.block_tokens
         while len(seq.tail_ids) >= b:
-            block = seq.blocks[seq.num_hashed]
-            seq.digests.append(block_digest(seq.digest, np.asarray(seq.tail_ids[:b])))
+            block, parent = seq.blocks[seq.num_hashed], seq.digest
+            tokens = np.asarray(seq.tail_ids[:b], dtype=np.int64)
+            seq.digests.append(block_digest(parent, tokens))
             del seq.tail_ids[:b]
-            if seq.digest not in self.cached:  # else another sequence computed the same block: keep that one
-                self.cached[seq.digest] = block
-                self.digest_of[block] = seq.digest
+            self._add(parent, tokens, block)
+
+    def add_partial_block(self, seq: SequenceBlocks) -> None:
+        """Cache the block that holds the sequence's committed `tail_ids` (fewer than a block), for copies."""
+        if seq.tail_ids and len(seq.blocks) > seq.num_hashed:
+            self._add(seq.digest, np.asarray(seq.tail_ids, dtype=np.int64), seq.blocks[seq.num_hashed])
+
+    def _add(self, parent: bytes, tokens: np.ndarray, block: int) -> None:
+        """Keep the block under the digest of its tokens after chain `parent`, unless another block
+        holds those tokens already (a partial block's digest covers fewer tokens than a full one's)."""
+        digest = block_digest(parent, tokens)
+        if digest not in self.cached:
+            self.cached[digest] = block
+            self.digest_of[block] = digest
+            self.tokens_of[digest] = tokens
+            self.children.setdefault(parent, {})[digest] = None
+            self.parent_of[digest] = parent
 
     def held(self, block: int) -> None:
         """A sequence holds the block now: it is no longer evictable."""
@@ -131,7 +172,12 @@ class PrefixCache:
         """Forget the cached block released longest ago, and return it."""
         digest, _ = self.evictable.popitem(last=False)
         block = self.cached.pop(digest)
-        del self.digest_of[block]
+        del self.digest_of[block], self.tokens_of[digest]
+        parent = self.parent_of.pop(digest)
+        siblings = self.children[parent]
+        del siblings[digest]
+        if not siblings:
+            del self.children[parent]
         return block
 
 
@@ -139,7 +185,8 @@ class BlockPool:
     """Bookings, block tables, free list and prefix cache of one pool of KV blocks (module contract)."""
 
     def __init__(self, pool_blocks: int, block_tokens: int, max_length: int, grow: Callable[[int, int], int],
-                 initial_blocks: int = 16, caches_prefixes: bool = True, max_idle_cached: int | None = None):
+                 initial_blocks: int = 16, caches_prefixes: bool = True, max_idle_cached: int | None = None,
+                 copy_block: Callable[[int, int], None] | None = None):
         if isinstance(pool_blocks, bool) or not isinstance(pool_blocks, (int, np.integer)) or pool_blocks < 1:
             raise ValueError(f"pool_blocks must be an integer >= 1, got {pool_blocks!r}")
         if max_idle_cached is not None and (isinstance(max_idle_cached, bool) or
@@ -152,6 +199,7 @@ class BlockPool:
         self.max_length = max_length
         self.grow = grow
         self.caches_prefixes = caches_prefixes
+        self.copy_block = copy_block  # (src, dst): copies one block's contents; None: whole blocks only
         self.num_allocated = 0     # blocks the storage holds
         self.num_touched = 0       # blocks 0.. of it ever handed out (their memory written)
         self.free: list[int] = []  # allocated blocks holding nothing: never used ones (descending) first, freed ones after
@@ -210,15 +258,42 @@ class BlockPool:
         for _, block in matched:
             self._hold(block)
             seq.blocks.append(block)
+        self.num_budgeted += seq.budget
+        if looked_up and self.copy_block is not None and seq.budget:
+            self._copy_continuation(seq, np.asarray(prompt_ids, dtype=np.int64).reshape(-1))
+        seq.num_reused = seq.committed
         if looked_up:
             self.num_prefix_queries += len(prompt_ids)
             self.num_prefix_hits += seq.committed
-        self.num_budgeted += seq.budget
         self.seqs[seq_id] = seq
         return True
 
+    def _copy_continuation(self, seq: SequenceBlocks, prompt: np.ndarray) -> None:
+        """Start the sequence's first own block as a copy of the cached block after its shared ones that
+        shares the most leading tokens with the prompt (its last token excluded); those tokens count as
+        committed."""
+        start = seq.committed
+        source, n = self.prefixes.longest_continuation(seq.digest, prompt[start:len(prompt) - 1])
+        if not n:
+            return
+        self._hold(source)  # not evicted for the block it is copied into
+        if self.free_blocks < 0:  # the source was the one block left: no room to copy it
+            self._drop(source)
+            return
+        block = self._take_block()
+        self._hold(block)
+        self.copy_block(source, block)
+        self._drop(source)
+        seq.blocks.append(block)
+        seq.budget -= 1
+        self.num_budgeted -= 1
+        seq.committed += n
+        seq.tail_ids = [int(t) for t in prompt[start:start + n]]
+
     def release(self, seq_id) -> None:
         seq = self.seqs.pop(seq_id)
+        if self.caches_prefixes and self.copy_block is not None:
+            self.prefixes.add_partial_block(seq)
         for block in reversed(seq.blocks):  # a chain's tail is evicted before its head
             self._drop(block)
         self.num_budgeted -= seq.budget
@@ -229,6 +304,10 @@ class BlockPool:
     def digests(self, seq_id) -> list[bytes]:
         """The chain digest after each of the sequence's hashed blocks (shared at reserve or filled since)."""
         return self.seqs[seq_id].digests
+
+    def reused(self, seq_id) -> int:
+        """Committed tokens the sequence found cached at reserve (shared blocks and a copied block's part)."""
+        return self.seqs[seq_id].num_reused
 
     def matched_blocks(self, seq_id) -> list[int]:
         """The cached blocks `reserve` shared with this sequence, in order."""

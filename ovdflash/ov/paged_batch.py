@@ -14,8 +14,10 @@ Contract:
 - Prefix caching (`prefix_caching=True`, the default; `caches_prefixes`): the pool keeps every full
   block of committed tokens, and the target the features of its positions in
   `features[block, slot, H]` (grown with the KV tensors, counted in `pool_bytes_per_block`).
-  `cached_features(seq_id)` holds those of the blocks `reserve` shared with a sequence, for the
-  drafter's context. Outputs are those of a full prefill, since a block is found only by its exact tokens.
+  `cached_features(seq_id)` holds those of the tokens `reserve` found cached for a sequence, for the
+  drafter's context. A prompt that parts from a cached block mid-block starts from a copy of its KV
+  and features (`_copy_block`, the pool's reuse within a block). Outputs are those of a full prefill,
+  since a block is found only by its exact tokens.
   A hybrid target also needs the linear-attention state after the shared prefix: its sequences keep
   the state at every multiple of `linear.checkpoint_every` tokens (whole blocks) and share it under
   the digest of the block it ends (`linear.share`, at most `linear.max_shared`: about the pool's KV
@@ -159,8 +161,10 @@ class OVPagedBatchTarget(PagedKV):
             pool_blocks = default_pool_blocks(compiled, max_length, self.caches_prefixes)
         width = feature_width_of(compiled) if self.caches_prefixes else 0
         self.features = np.zeros((0, self.block_tokens, width), dtype=np.float32)  # [block, slot, H]
+        # a hybrid sequence starts from a kept linear state, at a block's end: no reuse within a block
+        copy_block = self._copy_block if self.linear is None else None
         self.pool = BlockPool(pool_blocks, self.block_tokens, max_length, self.fit_blocks, initial_blocks,
-                              self.caches_prefixes)
+                              self.caches_prefixes, copy_block=copy_block)
         if self.linear is not None and self.caches_prefixes:  # shared prefixes need their linear-attention state
             self.linear.checkpoint_every, self.linear.max_shared = shared_states(
                 self.linear.bytes_per_slot, self.bytes_per_block, self.block_tokens, pool_blocks)
@@ -197,12 +201,19 @@ class OVPagedBatchTarget(PagedKV):
         if self.linear is not None:
             self.linear.release(seq_id)
 
+    def _copy_block(self, source: int, block: int) -> None:
+        """The pool's copy of a cached block into a sequence's own one: its KV and its features."""
+        for tensor in self.caches.values():
+            tensor.data[block] = tensor.data[source]
+        self.features[block] = self.features[source]
+
     def cached_features(self, seq_id) -> np.ndarray | None:
-        """Target features of the cached prefix `reserve` shared with this sequence (None: nothing shared)."""
-        blocks = self.pool.matched_blocks(seq_id)
-        if not blocks:
+        """Target features of the cached prefix `reserve` gave this sequence (None: nothing cached)."""
+        reused = self.pool.reused(seq_id)
+        if not reused:
             return None
-        return self.features[blocks].reshape(-1, self.features.shape[-1])
+        blocks, slots = self.pool.slots(seq_id, 0, reused)
+        return self.features[blocks, slots]
 
     def forward(self, batch) -> list[tuple[np.ndarray, np.ndarray]]:
         num_seqs = len(batch)
