@@ -126,6 +126,14 @@ def test_cached_context_gives_the_drafter_the_same_drafts(pipe):
             (ref.num_draft_tokens, ref.num_accepted_tokens, ref.accepted_per_position), i
     b = target.block_tokens
     assert [stats[i].num_cached_prompt_tokens for i in range(3)] == [0, 3 * b, 3 * b]
+    # the tiny drafter accepts alike from many contexts: compare the context itself with a full prefill's
+    assert target.reserve("probe", 64, prompts[1])
+    reused = target.committed("probe")
+    assert reused == len(prompts[1]) - 1  # prompt 1's run left every token cached, its last one excepted
+    pipe.target.reset()
+    _, full = pipe.target.forward(np.asarray(prompts[1], dtype=np.int64), all_logits=False)
+    np.testing.assert_allclose(target.cached_features("probe"), full[:reused], rtol=1e-5, atol=1e-5)
+    target.release("probe")
     balanced(target)
 
 
