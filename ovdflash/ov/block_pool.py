@@ -280,13 +280,8 @@ class BlockPool:
         if self.free_blocks < 0:  # the source was the one block left: no room to copy it
             self._drop(source)
             return
-        block = self._take_block()
-        self._hold(block)
-        self.copy_block(source, block)
+        self.copy_block(source, self._take_booked(seq))
         self._drop(source)
-        seq.blocks.append(block)
-        seq.budget -= 1
-        self.num_budgeted -= 1
         seq.committed += n
         seq.tail_ids = [int(t) for t in prompt[start:start + n]]
 
@@ -327,11 +322,7 @@ class BlockPool:
         while len(seq.blocks) < need:
             if seq.budget == 0:
                 raise PoolExhaustedError(f"a sequence wrote past its booking ({end} tokens)")
-            block = self._take_block()
-            seq.budget -= 1
-            self.num_budgeted -= 1
-            self._hold(block)
-            seq.blocks.append(block)
+            self._take_booked(seq)
         seq.pending = num_tokens
         return seq.committed, seq.blocks[:need]
 
@@ -368,6 +359,15 @@ class BlockPool:
             self._allocate(self.num_allocated + 1)
         block = self.free.pop()
         self.num_touched = max(self.num_touched, block + 1)
+        return block
+
+    def _take_booked(self, seq: SequenceBlocks) -> int:
+        """A block from the sequence's booking, held and appended to its table."""
+        block = self._take_block()
+        seq.budget -= 1
+        self.num_budgeted -= 1
+        self._hold(block)
+        seq.blocks.append(block)
         return block
 
     def _hold(self, block: int) -> None:
