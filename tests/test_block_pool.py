@@ -8,12 +8,15 @@ bad bounds are ValueErrors. Reuse within a block: a prompt that parts from a cac
 starts from a copy of it holding exactly the shared tokens (checked on storage that records the
 token at every slot, through random traffic with evictions), never from a block with room too
 short to copy into, and not at all without a copy callback; a released sequence's partly filled
-last block is copied by the next turn of its conversation.
+last block is copied by the next turn of its conversation. Whole copies only (a hybrid target's
+books, its linear-attention states emulated by a set of digests): nothing is shared or copied past
+the last point with a state, a next turn reuses every committed token of the last one (its partly
+filled block copied whole, its matched blocks not cut), and random traffic reads back its own tokens.
 """
 import numpy as np
 import pytest
 
-from ovdflash.ov.block_pool import BlockPool, default_idle_cached
+from ovdflash.ov.block_pool import BlockPool, block_digest, default_idle_cached
 
 B = 4  # tokens a block
 
@@ -144,8 +147,9 @@ def copying_pool(pool_blocks=200, max_idle_cached=None, copy=True):
     return pool, contents
 
 
-def serve_contents(pool, contents, seq_id, prompt, new_tokens):
-    """serve() on recorded storage: what reserve found is the prompt's own tokens; returns it."""
+def serve_contents(pool, contents, seq_id, prompt, new_tokens, states=None):
+    """serve() on recorded storage: what reserve found is the prompt's own tokens; returns it. With
+    `states` (whole copies only), the sequence's last state is kept at release as a hybrid's is."""
     assert pool.reserve(seq_id, len(prompt) + new_tokens, prompt)
     reused = pool.committed(seq_id)
     assert reused == pool.reused(seq_id) < len(prompt)
@@ -154,8 +158,20 @@ def serve_contents(pool, contents, seq_id, prompt, new_tokens):
     for t in range(new_tokens):
         contents.write(pool, seq_id, [10_000 + t])
     assert contents.read(pool, seq_id, len(prompt) + new_tokens) == prompt + [10_000 + t for t in range(new_tokens)]
+    if states is not None:
+        states.add(pool.end_digest(seq_id))
     pool.release(seq_id)
     return reused
+
+
+def whole_copying_pool(pool_blocks=200, max_idle_cached=None):
+    """A copying pool with a hybrid's limits; the set of digests with a state stands for its shared states."""
+    pool, contents = copying_pool(pool_blocks, max_idle_cached)
+    states = set()
+    pool.copy_whole = states.__contains__
+    pool.match_limit = lambda digests: max((n for n in range(1, len(digests) + 1) if digests[n - 1] in states),
+                                           default=0)
+    return pool, contents, states
 
 
 def test_a_prompt_parting_mid_block_starts_from_a_copy_of_the_shared_part():
@@ -184,20 +200,60 @@ def test_no_copy_when_the_source_is_the_last_block_left():
     assert pool.free_blocks == 2 and pool.num_reserved == 0
 
 
+@pytest.mark.parametrize("whole", [False, True])
 @pytest.mark.parametrize("pool_blocks, max_idle_cached", [(12, 2), (40, None), (200, 200)])
-def test_random_traffic_reads_back_its_own_tokens(pool_blocks, max_idle_cached):
-    """Prompts drawn from a few shared beginnings of random lengths, with evictions: whatever reserve
-    shares or copies holds the prompt's tokens, and the books balance after every request."""
-    pool, contents = copying_pool(pool_blocks, max_idle_cached)
+def test_random_traffic_reads_back_its_own_tokens(pool_blocks, max_idle_cached, whole):
+    """Prompts drawn from a few shared beginnings of random lengths, with evictions, and next turns of
+    earlier ones: whatever reserve shares or copies holds the prompt's tokens, and the books balance
+    after every request. Whole copies only: every reuse ends where some sequence kept a state."""
+    if whole:
+        pool, contents, states = whole_copying_pool(pool_blocks, max_idle_cached)
+    else:
+        (pool, contents), states = copying_pool(pool_blocks, max_idle_cached), None
     rng = np.random.default_rng(pool_blocks)
     systems = [rng.integers(1, 50, size=3 * B).tolist() for _ in range(3)]
-    reused = []
+    reused, served = [], []
     for i in range(150):
-        system = systems[int(rng.integers(0, 3))]
-        prompt = system[:int(rng.integers(1, 3 * B))] + rng.integers(1, 50, size=int(rng.integers(1, 2 * B))).tolist()
-        reused.append(serve_contents(pool, contents, i, prompt, int(rng.integers(0, B))))
+        if served and rng.random() < 0.3:  # a next turn: an earlier request's tokens, then more
+            earlier, new = served[-int(rng.integers(1, min(3, len(served)) + 1))]
+            prompt = earlier + [10_000 + t for t in range(new)] + rng.integers(1, 50, size=int(rng.integers(1, B))).tolist()
+        else:
+            system = systems[int(rng.integers(0, 3))]
+            prompt = system[:int(rng.integers(1, 3 * B))] + rng.integers(1, 50, size=int(rng.integers(1, 2 * B))).tolist()
+        new = int(rng.integers(0, B))
+        reused.append(serve_contents(pool, contents, i, prompt, new, states))
+        served.append((prompt, new))
         assert pool.free_blocks == pool.pool_blocks and pool.num_reserved == 0
-    assert sum(r % B != 0 for r in reused) > 20 and contents.copies
+        if whole and reused[-1]:
+            assert states_digest(prompt[:reused[-1]]) in states
+    assert sum(r % B != 0 for r in reused) > (10 if whole else 20) and contents.copies
+
+
+def states_digest(tokens) -> bytes:
+    """The chain digest a sequence of these tokens ends on (its last block partial or full)."""
+    digest = b""
+    for start in range(0, len(tokens), B):
+        digest = block_digest(digest, np.asarray(tokens[start:start + B], dtype=np.int64))
+    return digest
+
+
+def test_whole_copies_reuse_only_up_to_a_kept_state_and_a_next_turn_reuses_it_all():
+    pool, contents, states = whole_copying_pool()
+    first = [5, 6, 7, 8, 9, 10, 11, 12, 13]  # two full blocks and one token
+    assert serve_contents(pool, contents, "t1", first, 3, states) == 0  # 12 tokens: three full blocks
+    assert states == {states_digest(first + [10_000, 10_001, 10_002])}
+    # parting mid-block or before the end: no state there, nothing reused (a dense pool copies 8)
+    assert serve_contents(pool, contents, "p", first[:8] + [1, 2], 1) == 0
+    # a next turn shares all three blocks, not cut back to a state
+    t2 = first + [10_000, 10_001, 10_002] + [40, 41, 42]
+    assert serve_contents(pool, contents, "t2", t2, 2, states) == 12
+    # t2 ended partly into a block: its next turn copies that block whole and adopts what it names
+    t3 = t2 + [10_000, 10_001] + [50]
+    assert pool.reserve("t3", len(t3) + 1, t3)
+    assert pool.committed("t3") == len(t2) + 2 and pool.copied_from("t3") == states_digest(t2 + [10_000, 10_001])
+    assert contents.read(pool, "t3", len(t2) + 2) == t3[:-1]
+    pool.release("t3")
+    assert pool.free_blocks == pool.pool_blocks
 
 
 def test_the_next_turn_copies_the_last_turns_partly_filled_block():

@@ -378,8 +378,8 @@ def test_batched_hybrid_equals_single_runs(paged_pipe):
         single = [tokens(paged_pipe.generate_tokens(p, 16, **kwargs)) for p in prompts]
         batch = paged_pipe.generate_batch(prompts, max_new_tokens=16, max_batch_size=3, stop=None, **kwargs)
         assert [list(r.token_ids) for r in batch] == single, kwargs
-    linear = paged_pipe._batch.target.linear
-    assert not linear.committed and not linear.written and len(linear.free) == linear.num_slots
+    linear = paged_pipe._batch.target.linear  # finished requests leave their last states shared, no other slot held
+    assert not linear.committed and not linear.written and len(linear.free) + len(linear.shared) == linear.num_slots
 
 
 def test_paged_hybrid_prefix_reuse_cuts_back_to_kept_states(paged_pipe, pair, tmp_path):
@@ -440,15 +440,41 @@ def test_batched_hybrid_prefix_cache_shares_kept_states(paged_pipe):
 
     kept = linear.max_shared
     try:
-        linear.max_shared = 1  # the next share evicts every older state
+        linear.max_shared = 2  # other's kept states evict every older one, then its last state its first kept one
         other = rng.integers(0, 400, 2 * every + 5).tolist()
         assert run([other]) == [0]
-        assert len(linear.shared) == 1
+        assert len(linear.shared) == 2
         assert run(follow_ups(other, (every + 5, 2 * every + 3)) + [prompt]) == [0, 2 * every, 0]
     finally:
         linear.max_shared = kept
     assert not linear.committed and not linear.written and not linear.kept_at
     assert len(linear.free) + len(linear.shared) == linear.num_slots  # nothing leaked
+
+
+def test_a_batched_hybrid_conversation_turn_reuses_every_committed_token(paged_pipe):
+    """Turn 2's prompt extends every token turn 1 committed: turn 1 left its last linear-attention state
+    shared under its partly filled last block, which turn 2 copies whole (KV and features) and starts
+    from, so it prefills only its new tokens, and replies as a run without any cache, greedy and
+    sampled. A prompt that parts inside that block reuses only up to a kept state."""
+    batch = paged_pipe.batch_target()
+    every, b = batch.linear.checkpoint_every, batch.block_tokens
+    rng = np.random.default_rng(5)
+    new = 9
+    for kwargs in (dict(block_size=4), dict(draft=False), dict(block_size=4, temperature=0.9, seed=3)):
+        first = rng.integers(0, 400, every + 7).tolist()
+        turn1 = paged_pipe.generate_batch([first], max_new_tokens=new, stop=None, **kwargs)[0]
+        committed = len(first) + new - 1  # the last token sampled never had KV
+        assert committed % b and committed % every, (committed, b, every)  # it ends mid-block, mid-interval
+        second = first + list(turn1.token_ids) + rng.integers(0, 400, 5).tolist()
+        parted = (first + list(turn1.token_ids))[:committed - 2] + rng.integers(0, 400, 3).tolist()
+        turn2, other = paged_pipe.generate_batch([second, parted], max_new_tokens=new, stop=None, **kwargs)
+        assert turn2.stats.num_cached_prompt_tokens == committed, kwargs
+        assert other.stats.num_cached_prompt_tokens == every, kwargs
+        for prompt, result in ((second, turn2), (parted, other)):
+            alone = tokens(paged_pipe.generate_tokens(prompt, new, prefix_cache=False, **kwargs))
+            assert list(result.token_ids) == alone, kwargs
+    linear = batch.linear
+    assert not linear.committed and not linear.written and len(linear.free) + len(linear.shared) == linear.num_slots
 
 
 def test_the_batched_server_reuses_a_hybrid_prefix(paged_pipe):
@@ -475,3 +501,30 @@ def test_the_batched_server_reuses_a_hybrid_prefix(paged_pipe):
     assert all(c >= num_system // every * every and c % every == 0 for c in cached[1:]), cached
     texts = [paged_pipe.generate(m, max_new_tokens=6, block_size=4, prefix_cache=False).text for m in chats]
     assert [r.choices[0].message.content for r in replies] == texts
+
+
+def test_the_batched_server_reuses_a_hybrid_conversation_turn(paged_pipe):
+    """A conversation's second turn through `ovdflash serve --max-num-seqs 4` on the hybrid (token-id
+    prompts: a random model's reply need not survive a detokenize-retokenize trip) reuses every token the
+    first turn committed (its prompt and reply but the last token sampled), and replies as without a cache."""
+    pytest.importorskip("fastapi")
+    import openai
+    from test_serve import serving_app
+
+    from ovdflash.server.wiring import build_server_app
+
+    new = 7
+    prompt1 = paged_pipe.tokenizer.encode_chat([{"role": "user", "content": "Tell me about the sea. " * 6}])
+    generated = tokens(paged_pipe.generate_tokens(prompt1, new, block_size=4, prefix_cache=False))
+    prompt2 = prompt1 + generated + paged_pipe.tokenizer.encode("And the moon?", add_special_tokens=False)
+    app = build_server_app(paged_pipe, ["tiny"], block_size=4, max_num_seqs=4)
+    with serving_app(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        reply = client.completions.create(model="tiny", prompt=prompt1, max_tokens=new, temperature=0)
+        turn2 = client.completions.create(model="tiny", prompt=prompt2, max_tokens=new, temperature=0)
+    assert reply.choices[0].text == paged_pipe.tokenizer.decode(generated)
+    committed = len(prompt1) + len(generated) - 1
+    assert committed % paged_pipe.batch_target().block_tokens  # it ends inside a block
+    assert turn2.usage.prompt_tokens_details.cached_tokens == committed
+    alone = tokens(paged_pipe.generate_tokens(prompt2, new, block_size=4, prefix_cache=False))
+    assert turn2.choices[0].text == paged_pipe.tokenizer.decode(alone)

@@ -40,8 +40,13 @@ Contract:
   those tokens committed; the sequence overwrites the rest of it. A released sequence's last,
   partly filled block joins the cache too, for copies only (a conversation's next turn reuses every
   committed token of the last one); it is never shared, and is evicted like any idle cached block.
-  `reused(seq_id)` counts the tokens shared or copied at reserve. A hybrid target gives no copy
-  callback (its linear state sits at block ends), so neither happens there.
+  `reused(seq_id)` counts the tokens shared or copied at reserve.
+- Whole copies only (`copy_whole(digest)` given: a hybrid target, whose linear-attention state exists
+  only where a sequence kept one): a cached block is copied only whole and only where
+  `copy_whole(its digest)` holds, and when one follows every matched block, `match_limit` cuts none
+  of them. `copied_from(seq_id)` names the block copied at reserve (None: none); `end_digest(seq_id)`
+  is the digest under which a released sequence's last, partly filled block is cached (the last
+  full block's when none is partly filled; None when its tokens were not all given to `commit`).
 May import: numpy and the standard library only (the tensors are the caller's).
 """
 from __future__ import annotations
@@ -80,6 +85,7 @@ class SequenceBlocks:
     tail_ids: list = field(default_factory=list)  # committed token ids after the hashed blocks
     num_matched: int = 0     # leading blocks shared from the prefix cache at reserve
     num_reused: int = 0      # committed tokens reserve found cached (shared blocks and a copied block's part)
+    copied_from: bytes | None = None  # digest of the cached block copied into its first own block at reserve
 
     @property
     def num_hashed(self) -> int:
@@ -117,17 +123,21 @@ class PrefixCache:
             matched.append((digest, block))
         return matched
 
-    def longest_continuation(self, digest: bytes, ids: np.ndarray) -> tuple[int, int]:
-        """(block id, n) of the cached block right after chain `digest` whose first n tokens equal
-        ids[:n], n as large as any such block gives (0, 0: none shares a token)."""
-        best_block, best = 0, 0
+    def longest_continuation(self, digest: bytes, ids: np.ndarray,
+                             whole: Callable[[bytes], bool] | None = None) -> tuple[bytes | None, int]:
+        """(digest, n) of the cached block right after chain `digest` whose first n tokens equal
+        ids[:n], n as large as any such block gives (None, 0: none shares a token). With `whole`, only
+        blocks that ids extend entirely and for whose digest `whole` holds count."""
+        best_child, best = None, 0
         for child in self.children.get(digest, ()):
             tokens = self.tokens_of[child]
             same = tokens[:len(ids)] == ids[:len(tokens)]
             n = len(same) if same.all() else int(np.argmin(same))
+            if whole is not None and (n < len(tokens) or not whole(child)):
+                continue
             if n > best:
-                best_block, best = self.cached[child], n
-        return best_block, best
+                best_child, best = child, n
+        return best_child, best
 
     def add_full_blocks(self, seq: SequenceBlocks) -> None:
         """Cache every block the sequence's committed `tail_ids` fill, under the chain digest."""
@@ -186,7 +196,8 @@ class BlockPool:
 
     def __init__(self, pool_blocks: int, block_tokens: int, max_length: int, grow: Callable[[int, int], int],
                  initial_blocks: int = 16, caches_prefixes: bool = True, max_idle_cached: int | None = None,
-                 copy_block: Callable[[int, int], None] | None = None):
+                 copy_block: Callable[[int, int], None] | None = None,
+                 copy_whole: Callable[[bytes], bool] | None = None):
         if isinstance(pool_blocks, bool) or not isinstance(pool_blocks, (int, np.integer)) or pool_blocks < 1:
             raise ValueError(f"pool_blocks must be an integer >= 1, got {pool_blocks!r}")
         if max_idle_cached is not None and (isinstance(max_idle_cached, bool) or
@@ -200,6 +211,7 @@ class BlockPool:
         self.grow = grow
         self.caches_prefixes = caches_prefixes
         self.copy_block = copy_block  # (src, dst): copies one block's contents; None: whole blocks only
+        self.copy_whole = copy_whole  # digest -> may that cached block be copied (whole); None: any, any part
         self.num_allocated = 0     # blocks the storage holds
         self.num_touched = 0       # blocks 0.. of it ever handed out (their memory written)
         self.free: list[int] = []  # allocated blocks holding nothing: never used ones (descending) first, freed ones after
@@ -248,7 +260,9 @@ class BlockPool:
             raise ValueError(f"sequence {seq_id!r} is already in the batch")
         looked_up = self.caches_prefixes and prompt_ids is not None
         matched = self.prefixes.match(prompt_ids) if looked_up else []
-        if matched and self.match_limit is not None:
+        prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1) if looked_up else None
+        if matched and self.match_limit is not None and not self._continuation(
+                matched[-1][0], prompt, len(matched) * self.block_tokens)[1]:
             matched = matched[:self.match_limit([digest for digest, _ in matched])]
         idle_matched = sum(1 for _, block in matched if self.refs.get(block, 0) == 0)
         if need - len(matched) + idle_matched > self.free_blocks:
@@ -259,8 +273,8 @@ class BlockPool:
             self._hold(block)
             seq.blocks.append(block)
         self.num_budgeted += seq.budget
-        if looked_up and self.copy_block is not None and seq.budget:
-            self._copy_continuation(seq, np.asarray(prompt_ids, dtype=np.int64).reshape(-1))
+        if looked_up and seq.budget:
+            self._copy_continuation(seq, prompt)
         seq.num_reused = seq.committed
         if looked_up:
             self.num_prefix_queries += len(prompt_ids)
@@ -273,9 +287,10 @@ class BlockPool:
         shares the most leading tokens with the prompt (its last token excluded); those tokens count as
         committed."""
         start = seq.committed
-        source, n = self.prefixes.longest_continuation(seq.digest, prompt[start:len(prompt) - 1])
+        digest, n = self._continuation(seq.digest, prompt, start)
         if not n:
             return
+        source = self.prefixes.cached[digest]
         self._hold(source)  # not evicted for the block it is copied into
         if self.free_blocks < 0:  # the source was the one block left: no room to copy it
             self._drop(source)
@@ -284,6 +299,14 @@ class BlockPool:
         self._drop(source)
         seq.committed += n
         seq.tail_ids = [int(t) for t in prompt[start:start + n]]
+        seq.copied_from = digest
+
+    def _continuation(self, digest: bytes, prompt: np.ndarray, start: int) -> tuple[bytes | None, int]:
+        """The cached block after chain `digest` that the prompt from `start` (its last token excluded)
+        may start as a copy of, and how many of its tokens (None, 0: none; always none without copies)."""
+        if self.copy_block is None:
+            return None, 0
+        return self.prefixes.longest_continuation(digest, prompt[start:len(prompt) - 1], self.copy_whole)
 
     def release(self, seq_id) -> None:
         seq = self.seqs.pop(seq_id)
@@ -299,6 +322,19 @@ class BlockPool:
     def digests(self, seq_id) -> list[bytes]:
         """The chain digest after each of the sequence's hashed blocks (shared at reserve or filled since)."""
         return self.seqs[seq_id].digests
+
+    def copied_from(self, seq_id) -> bytes | None:
+        """Digest of the cached block `reserve` copied into this sequence's first own block (None: none)."""
+        return self.seqs[seq_id].copied_from
+
+    def end_digest(self, seq_id) -> bytes | None:
+        """The digest its committed tokens leave cached at release: its partly filled last block's, else
+        its last full block's (None: no tokens, or not all of them given to `commit`)."""
+        seq = self.seqs[seq_id]
+        if not self.caches_prefixes or not seq.committed or \
+                seq.num_hashed * self.block_tokens + len(seq.tail_ids) != seq.committed:
+            return None
+        return block_digest(seq.digest, np.asarray(seq.tail_ids, dtype=np.int64)) if seq.tail_ids else seq.digest
 
     def reused(self, seq_id) -> int:
         """Committed tokens the sequence found cached at reserve (shared blocks and a copied block's part)."""

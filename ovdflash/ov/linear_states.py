@@ -30,7 +30,8 @@ Contract:
     `shared`, at most `max_shared` of them (the least recently used go first); `adopt(seq, key)` makes
     a shared state a new sequence's committed one, read in place (no copy). A slot is freed only when
     no sequence commits, keeps or writes it and `shared` no longer holds it.
-  * `release(seq)` frees every slot of a sequence; `slots_per_sequence(num_tokens)` and
+  * `release(seq, share_as=None)` frees every slot of a sequence (with `share_as`, its committed state
+    is shared under that key instead: where a next turn of its conversation starts); `slots_per_sequence(num_tokens)` and
     `bytes_per_slot` size the memory (docs/DESIGN.md, "Hybrid targets").
 May import: numpy, openvino, `.inference`.
 """
@@ -167,18 +168,21 @@ class LinearStateSlots:
     def share(self, seq, position: int, key) -> None:
         """Move the state this sequence kept at position into `shared` under key (module contract);
         key None drops it."""
-        slot = self.kept_at[seq].pop(position)
+        self._drop(self._share_slot(self.kept_at[seq].pop(position), key))
+
+    def _share_slot(self, slot: int, key) -> list[int]:
+        """Put slot into `shared` under key (None: not at all; a key shared already keeps its first slot),
+        the least recently used beyond `max_shared` out; returns the slots let go, for `_drop`."""
         if key is None:
-            self._drop([slot])
-            return
+            return [slot]
         if key in self.shared:  # another sequence shared the same prefix first: keep that one
             self.shared.move_to_end(key)
-            self._drop([slot])
-            return
+            return [slot]
         self.shared[key] = slot
+        evicted = []
         while len(self.shared) > self.max_shared:
-            _, oldest = self.shared.popitem(last=False)
-            self._drop([oldest])
+            evicted.append(self.shared.popitem(last=False)[1])
+        return evicted
 
     def adopt(self, seq, key) -> None:
         """Start a new sequence from the shared state under key: its committed state, read in place."""
@@ -187,9 +191,10 @@ class LinearStateSlots:
         self.shared.move_to_end(key)
         self.committed[seq] = self.shared[key]
 
-    def release(self, seq) -> None:
+    def release(self, seq, share_as=None) -> None:
+        """Free every slot of the sequence; with `share_as`, its committed state goes to `shared` under it."""
         written = self.written.pop(seq, ((),))[0]
         slots = [*written, *self.kept_at.pop(seq, {}).values()]
         if seq in self.committed:
-            slots.append(self.committed.pop(seq))
+            slots += self._share_slot(self.committed.pop(seq), share_as)
         self._drop(slots)

@@ -21,7 +21,10 @@ Contract:
   A hybrid target also needs the linear-attention state after the shared prefix: its sequences keep
   the state at every multiple of `linear.checkpoint_every` tokens (whole blocks) and share it under
   the digest of the block it ends (`linear.share`, at most `linear.max_shared`: about the pool's KV
-  memory); `reserve` shares only the blocks up to the last one with a shared state and starts the
+  memory). A released sequence shares its last state too, under the digest its last block is cached
+  by (`pool.end_digest`), so a conversation's next turn, whose prompt extends every committed token,
+  reuses them all: the pool copies that block only whole (`copy_whole`). `reserve` shares the blocks
+  up to the last one with a shared state (or all matched ones and such a whole copy) and starts the
   sequence from that state (`linear.adopt`), so a prompt that parts from a cached one mid-interval
   reuses the prefix up to the last kept state before.
 - `wide`, `wide_from`: the target's f32-weight copy and the call size from which it runs, as in
@@ -161,19 +164,19 @@ class OVPagedBatchTarget(PagedKV):
             pool_blocks = default_pool_blocks(compiled, max_length, self.caches_prefixes)
         width = feature_width_of(compiled) if self.caches_prefixes else 0
         self.features = np.zeros((0, self.block_tokens, width), dtype=np.float32)  # [block, slot, H]
-        # a hybrid sequence starts from a kept linear state, at a block's end: no reuse within a block
-        copy_block = self._copy_block if self.linear is None else None
+        # a hybrid sequence starts from a shared linear state: a copied block must end where one was kept
+        copy_whole = None if self.linear is None else self.linear.shared.__contains__
         self.pool = BlockPool(pool_blocks, self.block_tokens, max_length, self.fit_blocks, initial_blocks,
-                              self.caches_prefixes, copy_block=copy_block)
+                              self.caches_prefixes, copy_block=self._copy_block, copy_whole=copy_whole)
         if self.linear is not None and self.caches_prefixes:  # shared prefixes need their linear-attention state
             self.linear.checkpoint_every, self.linear.max_shared = shared_states(
                 self.linear.bytes_per_slot, self.bytes_per_block, self.block_tokens, pool_blocks)
             self.pool.match_limit = self._blocks_with_state
 
     def _blocks_with_state(self, digests: list[bytes]) -> int:
-        """Leading matched blocks a hybrid sequence may share: up to the last one whose state is shared."""
-        per_state = self.linear.checkpoint_every // self.block_tokens
-        for num in range(len(digests) - len(digests) % per_state, 0, -per_state):
+        """Leading matched blocks a hybrid sequence may share: up to the last one whose state is shared
+        (kept every `checkpoint_every` tokens, or where a finished sequence ended on a block's end)."""
+        for num in range(len(digests), 0, -1):
             if digests[num - 1] in self.linear.shared:
                 return num
         return 0
@@ -183,8 +186,11 @@ class OVPagedBatchTarget(PagedKV):
         from the linear-attention state after them."""
         if not self.pool.reserve(seq_id, num_tokens, prompt_ids):
             return False
-        if self.linear is not None and self.pool.matched_blocks(seq_id):
-            self.linear.adopt(seq_id, self.pool.digests(seq_id)[-1])
+        if self.linear is not None:
+            key = self.pool.copied_from(seq_id) or (self.pool.digests(seq_id)[-1]
+                                                     if self.pool.matched_blocks(seq_id) else None)
+            if key is not None:
+                self.linear.adopt(seq_id, key)
         return True
 
     def _grow(self, num_blocks: int) -> None:
@@ -196,10 +202,12 @@ class OVPagedBatchTarget(PagedKV):
             self.features = grown
 
     def release(self, seq_id) -> None:
-        """Free a sequence's KV blocks (to the prefix cache where kept) and its linear-attention slots."""
+        """Free a sequence's KV blocks (to the prefix cache where kept) and its linear-attention slots; a
+        hybrid one shares its last state under the digest its last block is cached by (a next turn's start)."""
+        end = self.pool.end_digest(seq_id) if self.linear is not None and self.caches_prefixes else None
         self.pool.release(seq_id)
         if self.linear is not None:
-            self.linear.release(seq_id)
+            self.linear.release(seq_id, share_as=end)
 
     def _copy_block(self, source: int, block: int) -> None:
         """The pool's copy of a cached block into a sequence's own one: its KV and its features."""
