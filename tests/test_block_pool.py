@@ -237,6 +237,17 @@ def states_digest(tokens) -> bytes:
     return digest
 
 
+def test_a_whole_copy_with_no_room_for_it_cuts_back_to_a_kept_state():
+    """The pool's last free block is the copy's source: the next turn neither copies nor shares blocks
+    past the last state (it would start from a state that does not exist), and nothing is lost."""
+    pool, contents, states = whole_copying_pool(pool_blocks=4, max_idle_cached=4)
+    first = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    serve_contents(pool, contents, "t1", first, 1, states)  # 10 tokens: two full blocks and a partial one
+    # 13 tokens + 3 new need all 4 blocks, and the partial block would have to stay as the source
+    assert serve_contents(pool, contents, "t2", first + [10_000, 1, 2, 3], 3, states) == 0
+    assert not contents.copies and pool.free_blocks == pool.pool_blocks
+
+
 def test_whole_copies_reuse_only_up_to_a_kept_state_and_a_next_turn_reuses_it_all():
     pool, contents, states = whole_copying_pool()
     first = [5, 6, 7, 8, 9, 10, 11, 12, 13]  # two full blocks and one token

@@ -43,8 +43,8 @@ Contract:
   `reused(seq_id)` counts the tokens shared or copied at reserve.
 - Whole copies only (`copy_whole(digest)` given: a hybrid target, whose linear-attention state exists
   only where a sequence kept one): a cached block is copied only whole and only where
-  `copy_whole(its digest)` holds, and when one follows every matched block, `match_limit` cuts none
-  of them. `copied_from(seq_id)` names the block copied at reserve (None: none); `end_digest(seq_id)`
+  `copy_whole(its digest)` holds, and when one follows every matched block and the pool has room to
+  book the sequence while holding the copy's source, `match_limit` cuts none of them. `copied_from(seq_id)` names the block copied at reserve (None: none); `end_digest(seq_id)`
   is the digest under which a released sequence's last, partly filled block is cached (the last
   full block's when none is partly filled; None when its tokens were not all given to `commit`).
 May import: numpy and the standard library only (the tensors are the caller's).
@@ -261,8 +261,7 @@ class BlockPool:
         looked_up = self.caches_prefixes and prompt_ids is not None
         matched = self.prefixes.match(prompt_ids) if looked_up else []
         prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1) if looked_up else None
-        if matched and self.match_limit is not None and not self._continuation(
-                matched[-1][0], prompt, len(matched) * self.block_tokens)[1]:
+        if matched and self.match_limit is not None and not self._whole_copy_fits(matched, prompt, need):
             matched = matched[:self.match_limit([digest for digest, _ in matched])]
         idle_matched = sum(1 for _, block in matched if self.refs.get(block, 0) == 0)
         if need - len(matched) + idle_matched > self.free_blocks:
@@ -300,6 +299,15 @@ class BlockPool:
         seq.committed += n
         seq.tail_ids = [int(t) for t in prompt[start:start + n]]
         seq.copied_from = digest
+
+    def _whole_copy_fits(self, matched: list, prompt: np.ndarray, need: int) -> bool:
+        """Whether a cached block copies whole after every matched one (a next turn) and the pool has room
+        to book the sequence while the copy's source is held."""
+        digest, n = self._continuation(matched[-1][0], prompt, len(matched) * self.block_tokens)
+        if not n:
+            return False
+        blocks = [block for _, block in matched] + [self.prefixes.cached[digest]]
+        return need - len(matched) + sum(1 for block in blocks if self.refs.get(block, 0) == 0) <= self.free_blocks
 
     def _continuation(self, digest: bytes, prompt: np.ndarray, start: int) -> tuple[bytes | None, int]:
         """The cached block after chain `digest` that the prompt from `start` (its last token excluded)
