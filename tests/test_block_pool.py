@@ -8,10 +8,11 @@ bad bounds are ValueErrors. Reuse within a block: a prompt that parts from a cac
 starts from a copy of it holding exactly the shared tokens (checked on storage that records the
 token at every slot, through random traffic with evictions), never from a block with room too
 short to copy into, and not at all without a copy callback; a released sequence's partly filled
-last block is copied by the next turn of its conversation. Whole copies only (a hybrid target's
-books, its linear-attention states emulated by a set of digests): nothing is shared or copied past
-the last point with a state, a next turn reuses every committed token of the last one (its partly
-filled block copied whole, its matched blocks not cut), and random traffic reads back its own tokens.
+last block is copied by the next turn of its conversation. Copies only up to a state (a hybrid
+target's books, its linear-attention states emulated by a set of digests, kept where a prompt ends
+and where a sequence ends): nothing is shared or copied past the last point with a state, a next
+turn reuses every committed token of the last one, or its prompt alone where it parts after it
+(the copied block's matched blocks not cut), and random traffic reads back its own tokens.
 """
 import numpy as np
 import pytest
@@ -149,12 +150,15 @@ def copying_pool(pool_blocks=200, max_idle_cached=None, copy=True):
 
 def serve_contents(pool, contents, seq_id, prompt, new_tokens, states=None):
     """serve() on recorded storage: what reserve found is the prompt's own tokens; returns it. With
-    `states` (whole copies only), the sequence's last state is kept at release as a hybrid's is."""
+    `states` (copies up to a state), the sequence's state is kept where its prompt ends and at
+    release, as a hybrid's is."""
     assert pool.reserve(seq_id, len(prompt) + new_tokens, prompt)
     reused = pool.committed(seq_id)
     assert reused == pool.reused(seq_id) < len(prompt)
     assert contents.read(pool, seq_id, reused) == prompt[:reused]
     contents.write(pool, seq_id, prompt[reused:])
+    if states is not None:
+        states.add(pool.end_digest(seq_id))
     for t in range(new_tokens):
         contents.write(pool, seq_id, [10_000 + t])
     assert contents.read(pool, seq_id, len(prompt) + new_tokens) == prompt + [10_000 + t for t in range(new_tokens)]
@@ -164,11 +168,11 @@ def serve_contents(pool, contents, seq_id, prompt, new_tokens, states=None):
     return reused
 
 
-def whole_copying_pool(pool_blocks=200, max_idle_cached=None):
+def stated_copying_pool(pool_blocks=200, max_idle_cached=None):
     """A copying pool with a hybrid's limits; the set of digests with a state stands for its shared states."""
     pool, contents = copying_pool(pool_blocks, max_idle_cached)
     states = set()
-    pool.copy_whole = states.__contains__
+    pool.copy_state = states.__contains__
     pool.match_limit = lambda digests: max((n for n in range(1, len(digests) + 1) if digests[n - 1] in states),
                                            default=0)
     return pool, contents, states
@@ -205,9 +209,9 @@ def test_no_copy_when_the_source_is_the_last_block_left():
 def test_random_traffic_reads_back_its_own_tokens(pool_blocks, max_idle_cached, whole):
     """Prompts drawn from a few shared beginnings of random lengths, with evictions, and next turns of
     earlier ones: whatever reserve shares or copies holds the prompt's tokens, and the books balance
-    after every request. Whole copies only: every reuse ends where some sequence kept a state."""
+    after every request. Copies up to a state: every reuse ends where some sequence kept a state."""
     if whole:
-        pool, contents, states = whole_copying_pool(pool_blocks, max_idle_cached)
+        pool, contents, states = stated_copying_pool(pool_blocks, max_idle_cached)
     else:
         (pool, contents), states = copying_pool(pool_blocks, max_idle_cached), None
     rng = np.random.default_rng(pool_blocks)
@@ -237,10 +241,10 @@ def states_digest(tokens) -> bytes:
     return digest
 
 
-def test_a_whole_copy_with_no_room_for_it_cuts_back_to_a_kept_state():
+def test_a_copy_with_no_room_for_it_cuts_back_to_a_kept_state():
     """The pool's last free block is the copy's source: the next turn neither copies nor shares blocks
     past the last state (it would start from a state that does not exist), and nothing is lost."""
-    pool, contents, states = whole_copying_pool(pool_blocks=4, max_idle_cached=4)
+    pool, contents, states = stated_copying_pool(pool_blocks=4, max_idle_cached=4)
     first = [5, 6, 7, 8, 9, 10, 11, 12, 13]
     serve_contents(pool, contents, "t1", first, 1, states)  # 10 tokens: two full blocks and a partial one
     # 13 tokens + 3 new need all 4 blocks, and the partial block would have to stay as the source
@@ -248,22 +252,28 @@ def test_a_whole_copy_with_no_room_for_it_cuts_back_to_a_kept_state():
     assert not contents.copies and pool.free_blocks == pool.pool_blocks
 
 
-def test_whole_copies_reuse_only_up_to_a_kept_state_and_a_next_turn_reuses_it_all():
-    pool, contents, states = whole_copying_pool()
+def test_copies_reuse_only_up_to_a_kept_state_and_a_next_turn_reuses_it_all():
+    pool, contents, states = stated_copying_pool()
     first = [5, 6, 7, 8, 9, 10, 11, 12, 13]  # two full blocks and one token
     assert serve_contents(pool, contents, "t1", first, 3, states) == 0  # 12 tokens: three full blocks
-    assert states == {states_digest(first + [10_000, 10_001, 10_002])}
-    # parting mid-block or before the end: no state there, nothing reused (a dense pool copies 8)
+    assert states == {states_digest(first), states_digest(first + [10_000, 10_001, 10_002])}
+    # parting mid-block or before the prompt's end: no state there, nothing reused (a dense pool copies 8)
     assert serve_contents(pool, contents, "p", first[:8] + [1, 2], 1) == 0
     # a next turn shares all three blocks, not cut back to a state
     t2 = first + [10_000, 10_001, 10_002] + [40, 41, 42]
     assert serve_contents(pool, contents, "t2", t2, 2, states) == 12
-    # t2 ended partly into a block: its next turn copies that block whole and adopts what it names
+    # t2 ended partly into a block: its next turn copies that block and starts where t2 ended
     t3 = t2 + [10_000, 10_001] + [50]
     assert pool.reserve("t3", len(t3) + 1, t3)
-    assert pool.committed("t3") == len(t2) + 2 and pool.copied_from("t3") == states_digest(t2 + [10_000, 10_001])
+    assert pool.committed("t3") == len(t2) + 2 and pool.copied_key("t3") == states_digest(t2 + [10_000, 10_001])
     assert contents.read(pool, "t3", len(t2) + 2) == t3[:-1]
     pool.release("t3")
+    # a next turn whose template dropped t2's reply: it parts where t2's prompt ended, inside a block
+    t4 = t2 + [60, 61]
+    assert pool.reserve("t4", len(t4) + 1, t4)
+    assert pool.committed("t4") == len(t2) and pool.copied_key("t4") == states_digest(t2)
+    assert contents.read(pool, "t4", len(t2)) == t2
+    pool.release("t4")
     assert pool.free_blocks == pool.pool_blocks
 
 

@@ -440,10 +440,10 @@ def test_batched_hybrid_prefix_cache_shares_kept_states(paged_pipe):
 
     kept = linear.max_shared
     try:
-        linear.max_shared = 2  # other's kept states evict every older one, then its last state its first kept one
+        linear.max_shared = 1  # the next share evicts every older state of its kind
         other = rng.integers(0, 400, 2 * every + 5).tolist()
         assert run([other]) == [0]
-        assert len(linear.shared) == 2
+        assert len(linear.shared) - len(linear.turns) == 1 and len(linear.turns) == 1
         assert run(follow_ups(other, (every + 5, 2 * every + 3)) + [prompt]) == [0, 2 * every, 0]
     finally:
         linear.max_shared = kept
@@ -453,9 +453,11 @@ def test_batched_hybrid_prefix_cache_shares_kept_states(paged_pipe):
 
 def test_a_batched_hybrid_conversation_turn_reuses_every_committed_token(paged_pipe):
     """Turn 2's prompt extends every token turn 1 committed: turn 1 left its last linear-attention state
-    shared under its partly filled last block, which turn 2 copies whole (KV and features) and starts
-    from, so it prefills only its new tokens, and replies as a run without any cache, greedy and
-    sampled. A prompt that parts inside that block reuses only up to a kept state."""
+    shared under its partly filled last block, which turn 2 copies (KV and features) and starts from,
+    so it prefills only its new tokens, and replies as a run without any cache, greedy and sampled. A
+    prompt that parts inside turn 1's reply (as templates that drop a reply's reasoning do) starts from
+    the state turn 1 shared where its prompt ended; one that parts inside turn 1's prompt, from a state
+    kept every `checkpoint_every` tokens."""
     batch = paged_pipe.batch_target()
     every, b = batch.linear.checkpoint_every, batch.block_tokens
     rng = np.random.default_rng(5)
@@ -466,11 +468,11 @@ def test_a_batched_hybrid_conversation_turn_reuses_every_committed_token(paged_p
         committed = len(first) + new - 1  # the last token sampled never had KV
         assert committed % b and committed % every, (committed, b, every)  # it ends mid-block, mid-interval
         second = first + list(turn1.token_ids) + rng.integers(0, 400, 5).tolist()
-        parted = (first + list(turn1.token_ids))[:committed - 2] + rng.integers(0, 400, 3).tolist()
-        turn2, other = paged_pipe.generate_batch([second, parted], max_new_tokens=new, stop=None, **kwargs)
-        assert turn2.stats.num_cached_prompt_tokens == committed, kwargs
-        assert other.stats.num_cached_prompt_tokens == every, kwargs
-        for prompt, result in ((second, turn2), (parted, other)):
+        in_reply = (first + list(turn1.token_ids))[:committed - 2] + rng.integers(0, 400, 3).tolist()
+        in_prompt = first[:-3] + rng.integers(0, 400, 3).tolist()
+        results = paged_pipe.generate_batch([second, in_reply, in_prompt], max_new_tokens=new, stop=None, **kwargs)
+        assert [r.stats.num_cached_prompt_tokens for r in results] == [committed, len(first), every], kwargs
+        for prompt, result in zip((second, in_reply, in_prompt), results):
             alone = tokens(paged_pipe.generate_tokens(prompt, new, prefix_cache=False, **kwargs))
             assert list(result.token_ids) == alone, kwargs
     linear = batch.linear

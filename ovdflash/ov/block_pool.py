@@ -41,12 +41,15 @@ Contract:
   partly filled block joins the cache too, for copies only (a conversation's next turn reuses every
   committed token of the last one); it is never shared, and is evicted like any idle cached block.
   `reused(seq_id)` counts the tokens shared or copied at reserve.
-- Whole copies only (`copy_whole(digest)` given: a hybrid target, whose linear-attention state exists
-  only where a sequence kept one): a cached block is copied only whole and only where
-  `copy_whole(its digest)` holds, and when one follows every matched block and the pool has room to
-  book the sequence while holding the copy's source, `match_limit` cuts none of them. `copied_from(seq_id)` names the block copied at reserve (None: none); `end_digest(seq_id)`
-  is the digest under which a released sequence's last, partly filled block is cached (the last
-  full block's when none is partly filled; None when its tokens were not all given to `commit`).
+- Copies only up to a state (`copy_state(digest)` given: a hybrid target, whose linear-attention
+  state exists only where a sequence kept one): a copy may reuse a cached block's first n tokens
+  only where `copy_state` holds for the chain digest of everything up to them (`block_digest` of
+  the parent's digest and those n tokens; for the whole block, its own digest), and reuses the
+  most such tokens. When such a copy follows every matched block and the pool has room to book the
+  sequence while holding the copy's source, `match_limit` cuts none of them. `copied_key(seq_id)`
+  is that chain digest for the tokens the copy reused at reserve (None: no copy); `end_digest(seq_id)`
+  is the chain digest of all its committed tokens (None when not all of them were given to `commit`),
+  the one its last block is cached by at release when partly filled.
 May import: numpy and the standard library only (the tensors are the caller's).
 """
 from __future__ import annotations
@@ -85,7 +88,7 @@ class SequenceBlocks:
     tail_ids: list = field(default_factory=list)  # committed token ids after the hashed blocks
     num_matched: int = 0     # leading blocks shared from the prefix cache at reserve
     num_reused: int = 0      # committed tokens reserve found cached (shared blocks and a copied block's part)
-    copied_from: bytes | None = None  # digest of the cached block copied into its first own block at reserve
+    copied_key: bytes | None = None  # chain digest of the tokens a copy at reserve reused (None: no copy)
 
     @property
     def num_hashed(self) -> int:
@@ -124,17 +127,17 @@ class PrefixCache:
         return matched
 
     def longest_continuation(self, digest: bytes, ids: np.ndarray,
-                             whole: Callable[[bytes], bool] | None = None) -> tuple[bytes | None, int]:
+                             state_at: Callable[[bytes], bool] | None = None) -> tuple[bytes | None, int]:
         """(digest, n) of the cached block right after chain `digest` whose first n tokens equal
-        ids[:n], n as large as any such block gives (None, 0: none shares a token). With `whole`, only
-        blocks that ids extend entirely and for whose digest `whole` holds count."""
+        ids[:n], n as large as any such block gives (None, 0: none shares a token). With `state_at`,
+        n counts only where it holds for `block_digest(digest, those n tokens)`."""
         best_child, best = None, 0
         for child in self.children.get(digest, ()):
             tokens = self.tokens_of[child]
             same = tokens[:len(ids)] == ids[:len(tokens)]
             n = len(same) if same.all() else int(np.argmin(same))
-            if whole is not None and (n < len(tokens) or not whole(child)):
-                continue
+            if state_at is not None:
+                n = next((m for m in range(n, best, -1) if state_at(block_digest(digest, tokens[:m]))), 0)
             if n > best:
                 best_child, best = child, n
         return best_child, best
@@ -197,7 +200,7 @@ class BlockPool:
     def __init__(self, pool_blocks: int, block_tokens: int, max_length: int, grow: Callable[[int, int], int],
                  initial_blocks: int = 16, caches_prefixes: bool = True, max_idle_cached: int | None = None,
                  copy_block: Callable[[int, int], None] | None = None,
-                 copy_whole: Callable[[bytes], bool] | None = None):
+                 copy_state: Callable[[bytes], bool] | None = None):
         if isinstance(pool_blocks, bool) or not isinstance(pool_blocks, (int, np.integer)) or pool_blocks < 1:
             raise ValueError(f"pool_blocks must be an integer >= 1, got {pool_blocks!r}")
         if max_idle_cached is not None and (isinstance(max_idle_cached, bool) or
@@ -211,7 +214,7 @@ class BlockPool:
         self.grow = grow
         self.caches_prefixes = caches_prefixes
         self.copy_block = copy_block  # (src, dst): copies one block's contents; None: whole blocks only
-        self.copy_whole = copy_whole  # digest -> may that cached block be copied (whole); None: any, any part
+        self.copy_state = copy_state  # chain digest -> may a copy end there; None: anywhere
         self.num_allocated = 0     # blocks the storage holds
         self.num_touched = 0       # blocks 0.. of it ever handed out (their memory written)
         self.free: list[int] = []  # allocated blocks holding nothing: never used ones (descending) first, freed ones after
@@ -261,7 +264,7 @@ class BlockPool:
         looked_up = self.caches_prefixes and prompt_ids is not None
         matched = self.prefixes.match(prompt_ids) if looked_up else []
         prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1) if looked_up else None
-        if matched and self.match_limit is not None and not self._whole_copy_fits(matched, prompt, need):
+        if matched and self.match_limit is not None and not self._stated_copy_fits(matched, prompt, need):
             matched = matched[:self.match_limit([digest for digest, _ in matched])]
         idle_matched = sum(1 for _, block in matched if self.refs.get(block, 0) == 0)
         if need - len(matched) + idle_matched > self.free_blocks:
@@ -298,10 +301,10 @@ class BlockPool:
         self._drop(source)
         seq.committed += n
         seq.tail_ids = [int(t) for t in prompt[start:start + n]]
-        seq.copied_from = digest
+        seq.copied_key = block_digest(seq.digest, prompt[start:start + n])
 
-    def _whole_copy_fits(self, matched: list, prompt: np.ndarray, need: int) -> bool:
-        """Whether a cached block copies whole after every matched one (a next turn) and the pool has room
+    def _stated_copy_fits(self, matched: list, prompt: np.ndarray, need: int) -> bool:
+        """Whether a copy up to a state follows every matched block (a next turn) and the pool has room
         to book the sequence while the copy's source is held."""
         digest, n = self._continuation(matched[-1][0], prompt, len(matched) * self.block_tokens)
         if not n:
@@ -314,7 +317,7 @@ class BlockPool:
         may start as a copy of, and how many of its tokens (None, 0: none; always none without copies)."""
         if self.copy_block is None:
             return None, 0
-        return self.prefixes.longest_continuation(digest, prompt[start:len(prompt) - 1], self.copy_whole)
+        return self.prefixes.longest_continuation(digest, prompt[start:len(prompt) - 1], self.copy_state)
 
     def release(self, seq_id) -> None:
         seq = self.seqs.pop(seq_id)
@@ -331,9 +334,9 @@ class BlockPool:
         """The chain digest after each of the sequence's hashed blocks (shared at reserve or filled since)."""
         return self.seqs[seq_id].digests
 
-    def copied_from(self, seq_id) -> bytes | None:
-        """Digest of the cached block `reserve` copied into this sequence's first own block (None: none)."""
-        return self.seqs[seq_id].copied_from
+    def copied_key(self, seq_id) -> bytes | None:
+        """Chain digest of the committed tokens after a copy at reserve (None: no copy)."""
+        return self.seqs[seq_id].copied_key
 
     def end_digest(self, seq_id) -> bytes | None:
         """The digest its committed tokens leave cached at release: its partly filled last block's, else

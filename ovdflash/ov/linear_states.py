@@ -27,12 +27,16 @@ Contract:
     committed one and drops those after it: prefix reuse that cuts back to m and prefills the rest.
   * Shared states (prefix caching across sequences, the batched runner): `share(seq, position, key)`
     moves the state a sequence kept at `position` under `key` (its prefix's block digest) into
-    `shared`, at most `max_shared` of them (the least recently used go first); `adopt(seq, key)` makes
-    a shared state a new sequence's committed one, read in place (no copy). A slot is freed only when
-    no sequence commits, keeps or writes it and `shared` no longer holds it.
-  * `release(seq, share_as=None)` frees every slot of a sequence (with `share_as`, its committed state
-    is shared under that key instead: where a next turn of its conversation starts); `slots_per_sequence(num_tokens)` and
-    `bytes_per_slot` size the memory (docs/DESIGN.md, "Hybrid targets").
+    `shared`, at most `max_shared` of them (the least recently used go first); `adopt(seq, key)`
+    makes a shared state a new sequence's committed one, read in place (no copy). Turn states, for
+    a conversation's next turn: `share_committed(seq, key)` shares a running sequence's committed
+    state (where its prompt ends), `release(seq, share_as=key)` its last one. Their keys are also in
+    `turns`, bounded apart (at most `max_shared` more, least recently used first), so that they never
+    push out kept states. A slot is freed only when no sequence commits, keeps or writes it and
+    `shared` no longer holds it.
+  * `release(seq, share_as=None)` frees every slot of a sequence but a shared one;
+    `slots_per_sequence(num_tokens)` and `bytes_per_slot` size the memory (docs/DESIGN.md, "Hybrid
+    targets").
 May import: numpy, openvino, `.inference`.
 """
 from __future__ import annotations
@@ -73,7 +77,8 @@ class LinearStateSlots:
         self.written: dict = {}  # seq -> (slots its last call writes, past, tokens, interval)
         self.kept_at: dict = {}  # seq -> {position: slot} states kept at multiples of checkpoint_every
         self.shared: OrderedDict = OrderedDict()  # key -> slot, states any sequence may start from; oldest first
-        self.max_shared = 0
+        self.turns: OrderedDict = OrderedDict()  # keys of `shared` kept for a conversation's next turn; oldest first
+        self.max_shared = 0  # kept states (share) at most, and as many turn states (share_committed, release)
         self._grow(initial_slots)
 
     def bind(self, *requests) -> None:
@@ -170,25 +175,38 @@ class LinearStateSlots:
         key None drops it."""
         self._drop(self._share_slot(self.kept_at[seq].pop(position), key))
 
-    def _share_slot(self, slot: int, key) -> list[int]:
+    def share_committed(self, seq, key) -> None:
+        """Share this sequence's committed state under key as a turn state; it goes on reading it in place."""
+        self._drop(self._share_slot(self.committed[seq], key, turn=True))
+
+    def _share_slot(self, slot: int, key, turn: bool = False) -> list[int]:
         """Put slot into `shared` under key (None: not at all; a key shared already keeps its first slot),
-        the least recently used beyond `max_shared` out; returns the slots let go, for `_drop`."""
+        the least recently used of its kind beyond `max_shared` out; returns the slots let go, for `_drop`."""
         if key is None:
             return [slot]
         if key in self.shared:  # another sequence shared the same prefix first: keep that one
-            self.shared.move_to_end(key)
+            self._used(key)
             return [slot]
         self.shared[key] = slot
+        if turn:
+            self.turns[key] = None
         evicted = []
-        while len(self.shared) > self.max_shared:
-            evicted.append(self.shared.popitem(last=False)[1])
+        while len(self.turns) > self.max_shared:
+            evicted.append(self.shared.pop(self.turns.popitem(last=False)[0]))
+        while len(self.shared) - len(self.turns) > self.max_shared:
+            evicted.append(self.shared.pop(next(k for k in self.shared if k not in self.turns)))
         return evicted
+
+    def _used(self, key) -> None:
+        self.shared.move_to_end(key)
+        if key in self.turns:
+            self.turns.move_to_end(key)
 
     def adopt(self, seq, key) -> None:
         """Start a new sequence from the shared state under key: its committed state, read in place."""
         if seq in self.committed:
             raise RuntimeError(f"sequence {seq!r} already has a state")
-        self.shared.move_to_end(key)
+        self._used(key)
         self.committed[seq] = self.shared[key]
 
     def release(self, seq, share_as=None) -> None:
@@ -196,5 +214,5 @@ class LinearStateSlots:
         written = self.written.pop(seq, ((),))[0]
         slots = [*written, *self.kept_at.pop(seq, {}).values()]
         if seq in self.committed:
-            slots += self._share_slot(self.committed.pop(seq), share_as)
+            slots += self._share_slot(self.committed.pop(seq), share_as, turn=True)
         self._drop(slots)

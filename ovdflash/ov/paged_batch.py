@@ -21,12 +21,14 @@ Contract:
   A hybrid target also needs the linear-attention state after the shared prefix: its sequences keep
   the state at every multiple of `linear.checkpoint_every` tokens (whole blocks) and share it under
   the digest of the block it ends (`linear.share`, at most `linear.max_shared`: about the pool's KV
-  memory). A released sequence shares its last state too, under the digest its last block is cached
-  by (`pool.end_digest`), so a conversation's next turn, whose prompt extends every committed token,
-  reuses them all: the pool copies that block only whole (`copy_whole`). `reserve` shares the blocks
-  up to the last one with a shared state (or all matched ones and such a whole copy) and starts the
-  sequence from that state (`linear.adopt`), so a prompt that parts from a cached one mid-interval
-  reuses the prefix up to the last kept state before.
+  memory). A sequence also shares its state when it has committed its whole prompt, and when it is
+  released, each under the chain digest of its committed tokens then (`pool.end_digest`): a
+  conversation's next turn, whose prompt extends every committed token of the last one (or only its
+  prompt, as templates that drop a reply's reasoning give), reuses them all. The pool copies a
+  block's tokens only up to such a state (`copy_state`). `reserve` shares the blocks up to the last
+  one with a shared state (or all matched ones and such a copy) and starts the sequence from that
+  state (`linear.adopt`), so a prompt that parts from a cached one elsewhere reuses the prefix up to
+  the last kept state before.
 - `wide`, `wide_from`: the target's f32-weight copy and the call size from which it runs, as in
   `OVPagedTarget` (`batch_target_for` passes the single-sequence target's); both share the pool.
 - `forward(batch)`: batch = [(seq_id, token_ids, rows)], one inference for all: per sequence
@@ -107,7 +109,8 @@ def describe_pool(compiled: ov.CompiledModel, pool_blocks: int, prefix_caching: 
                  f"(+1 a verified token during a verify of up to {MAX_CHECKPOINTS})")
         if prefix_caching:
             every, most = shared_states(slot, bytes_per_block(cache_inputs), block_tokens, pool_blocks)
-            text += f", and prefixes share the state every {every} tokens, at most {most} slots"
+            text += (f", and prefixes share the state every {every} tokens, at most {most} slots, and as many "
+                     "more where finished prompts and requests ended, for conversations' next turns")
     return text
 
 
@@ -164,10 +167,11 @@ class OVPagedBatchTarget(PagedKV):
             pool_blocks = default_pool_blocks(compiled, max_length, self.caches_prefixes)
         width = feature_width_of(compiled) if self.caches_prefixes else 0
         self.features = np.zeros((0, self.block_tokens, width), dtype=np.float32)  # [block, slot, H]
-        # a hybrid sequence starts from a shared linear state: a copied block must end where one was kept
-        copy_whole = None if self.linear is None else self.linear.shared.__contains__
+        # a hybrid sequence starts from a shared linear state: a copy must end where one was kept
+        copy_state = None if self.linear is None else self.linear.shared.__contains__
         self.pool = BlockPool(pool_blocks, self.block_tokens, max_length, self.fit_blocks, initial_blocks,
-                              self.caches_prefixes, copy_block=self._copy_block, copy_whole=copy_whole)
+                              self.caches_prefixes, copy_block=self._copy_block, copy_state=copy_state)
+        self.prompt_ends: dict = {}  # hybrid seq -> its prompt's length, where its state is shared once reached
         if self.linear is not None and self.caches_prefixes:  # shared prefixes need their linear-attention state
             self.linear.checkpoint_every, self.linear.max_shared = shared_states(
                 self.linear.bytes_per_slot, self.bytes_per_block, self.block_tokens, pool_blocks)
@@ -187,10 +191,12 @@ class OVPagedBatchTarget(PagedKV):
         if not self.pool.reserve(seq_id, num_tokens, prompt_ids):
             return False
         if self.linear is not None:
-            key = self.pool.copied_from(seq_id) or (self.pool.digests(seq_id)[-1]
-                                                     if self.pool.matched_blocks(seq_id) else None)
+            key = self.pool.copied_key(seq_id) or (self.pool.digests(seq_id)[-1]
+                                                    if self.pool.matched_blocks(seq_id) else None)
             if key is not None:
                 self.linear.adopt(seq_id, key)
+            if self.caches_prefixes and prompt_ids is not None:
+                self.prompt_ends[seq_id] = len(prompt_ids)
         return True
 
     def _grow(self, num_blocks: int) -> None:
@@ -205,6 +211,7 @@ class OVPagedBatchTarget(PagedKV):
         """Free a sequence's KV blocks (to the prefix cache where kept) and its linear-attention slots; a
         hybrid one shares its last state under the digest its last block is cached by (a next turn's start)."""
         end = self.pool.end_digest(seq_id) if self.linear is not None and self.caches_prefixes else None
+        self.prompt_ends.pop(seq_id, None)
         self.pool.release(seq_id)
         if self.linear is not None:
             self.linear.release(seq_id, share_as=end)
@@ -263,6 +270,9 @@ class OVPagedBatchTarget(PagedKV):
             for position in list(self.linear.kept_at.get(seq_id, {})):  # kept states go to the shared ones
                 block = position // self.block_tokens
                 self.linear.share(seq_id, position, digests[block - 1] if 0 < block <= len(digests) else None)
+            if self.prompt_ends.get(seq_id) == self.pool.committed(seq_id):  # the prompt's end: a next turn may part here
+                del self.prompt_ends[seq_id]
+                self.linear.share_committed(seq_id, self.pool.end_digest(seq_id))
         if self.caches_prefixes and token_ids is not None:  # the features stay with their block
             assert len(features) >= num_kept
             blocks, slots = self.pool.slots(seq_id, start, start + num_kept)
