@@ -266,8 +266,7 @@ class BlockPool:
         prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1) if looked_up else None
         if matched and self.match_limit is not None and not self._stated_copy_fits(matched, prompt, need):
             matched = matched[:self.match_limit([digest for digest, _ in matched])]
-        idle_matched = sum(1 for _, block in matched if self.refs.get(block, 0) == 0)
-        if need - len(matched) + idle_matched > self.free_blocks:
+        if need - len(matched) + self._num_idle(block for _, block in matched) > self.free_blocks:
             return False
         seq = SequenceBlocks(committed=len(matched) * self.block_tokens, budget=need - len(matched),
                              digests=[digest for digest, _ in matched], num_matched=len(matched))
@@ -310,7 +309,11 @@ class BlockPool:
         if not n:
             return False
         blocks = [block for _, block in matched] + [self.prefixes.cached[digest]]
-        return need - len(matched) + sum(1 for block in blocks if self.refs.get(block, 0) == 0) <= self.free_blocks
+        return need - len(matched) + self._num_idle(blocks) <= self.free_blocks
+
+    def _num_idle(self, blocks) -> int:
+        """How many of these blocks nobody holds (cached ones counted free, which holding them takes)."""
+        return sum(1 for block in blocks if self.refs.get(block, 0) == 0)
 
     def _continuation(self, digest: bytes, prompt: np.ndarray, start: int) -> tuple[bytes | None, int]:
         """The cached block after chain `digest` that the prompt from `start` (its last token excluded)
